@@ -1,0 +1,103 @@
+"""Frozen, validated configuration: cache formats, the cache policy, and the MLA description of a layer.
+
+Everything below the CLI receives these objects explicitly; nothing reads flags or globals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+FORMAT_KINDS = ("bf16", "fp8", "int8", "int4", "int2")
+BITS = {"bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
+# Default channels per scale group. fp8 uses 128 like FlashMLA's 656-byte row; the integer formats 64.
+DEFAULT_GROUP = {"bf16": 0, "fp8": 128, "int8": 64, "int4": 64, "int2": 64}
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """How one cache path (content or RoPE) is stored per token.
+
+    kind:  bf16 (passthrough), fp8 (e4m3 with fp32 scales), int8 / int4 / int2 (asymmetric, fp16 scale + zero).
+    group: channels that share one scale (and zero). 0 means one scale for the whole tensor, which only fp8
+           supports: a fixed per-tensor scale of 1.0, as vLLM's default FP8 KV cache does.
+    Spelled on the command line as ``int4`` or ``int4:32`` (kind:group).
+    """
+
+    kind: str
+    group: int = -1  # -1: the kind's default
+
+    def __post_init__(self):
+        if self.kind not in FORMAT_KINDS:
+            raise ValueError(f"unknown cache format {self.kind!r}; supported: {', '.join(FORMAT_KINDS)}")
+        if self.group == -1:
+            object.__setattr__(self, "group", DEFAULT_GROUP[self.kind])
+        if self.group < 0:
+            raise ValueError(f"group size must be >= 0, got {self.group}")
+        if self.kind == "bf16" and self.group != 0:
+            object.__setattr__(self, "group", 0)
+        if self.kind.startswith("int") and self.group == 0:
+            raise ValueError(f"{self.kind} needs a group size > 0 (channels per scale)")
+
+    @property
+    def bits(self) -> int:
+        return BITS[self.kind]
+
+    @property
+    def is_integer(self) -> bool:
+        return self.kind.startswith("int")
+
+    @classmethod
+    def parse(cls, spec: str | QuantFormat) -> QuantFormat:
+        if isinstance(spec, QuantFormat):
+            return spec
+        kind, _, group = str(spec).strip().lower().partition(":")
+        if group and not group.isdigit():
+            raise ValueError(f"bad format {spec!r}: expected KIND or KIND:GROUP, e.g. int4 or int4:32")
+        return cls(kind, int(group) if group else -1)
+
+    def check_dim(self, dim: int, path: str = "cache") -> None:
+        """Raise if the group size does not divide the path's width."""
+        if self.group and dim % self.group:
+            raise ValueError(f"{path} format {self}: group {self.group} does not divide its {dim} channels")
+        if self.kind == "int4" and dim % 2 or self.kind == "int2" and dim % 4:
+            raise ValueError(f"{path} format {self}: {dim} channels cannot be packed {8 // self.bits} per byte")
+
+    def __str__(self) -> str:
+        if self.kind == "bf16" or self.group == DEFAULT_GROUP[self.kind]:
+            return self.kind
+        return f"{self.kind}:{self.group}"
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Formats of the two cache paths and which tokens stay in BF16.
+
+    sink:   the first `sink` tokens of every sequence are never quantized (attention sinks).
+    recent: the most recent `recent` tokens stay in BF16; a token is quantized when it leaves this window.
+    """
+
+    content: QuantFormat = field(default_factory=lambda: QuantFormat("int4"))
+    rope: QuantFormat = field(default_factory=lambda: QuantFormat("int4"))
+    sink: int = 4
+    recent: int = 128
+
+    def __post_init__(self):
+        object.__setattr__(self, "content", QuantFormat.parse(self.content))
+        object.__setattr__(self, "rope", QuantFormat.parse(self.rope))
+        if self.sink < 0 or self.recent < 0:
+            raise ValueError(f"sink and recent must be >= 0, got sink={self.sink}, recent={self.recent}")
+
+    def check_dims(self, kv_lora_rank: int, rope_dim: int) -> None:
+        self.content.check_dim(kv_lora_rank, "content")
+        self.rope.check_dim(rope_dim, "rope")
+
+    def to_dict(self) -> dict:
+        return {"content": str(self.content), "rope": str(self.rope), "sink": self.sink, "recent": self.recent}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> CacheConfig:
+        return cls(d["content"], d["rope"], int(d.get("sink", 4)), int(d.get("recent", 128)))
+
+    @classmethod
+    def bf16(cls) -> CacheConfig:
+        return cls("bf16", "bf16")
