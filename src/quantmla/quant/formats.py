@@ -1,7 +1,8 @@
 """The one numeric source of truth for cache formats: quantize, dequantize, pack, and count bytes.
 
 Byte layout per token (last dim), for a path of `dim` channels and group size `g`:
-  bf16   codes: `dim` bf16 values                                   -> 2*dim bytes
+  bf16   codes: the values themselves, in the dtype they came in (bf16 when serving; fp32 in exactness
+         tests)                                                      -> 2*dim bytes in bf16
   int8   codes: uint8 [dim]; scale, zero: fp16 [dim/g]              -> dim + 4*dim/g bytes
   int4   codes: uint8 [dim/2], channel 2i in the low nibble, 2i+1 in the high nibble; scale, zero fp16 [dim/g]
   int2   codes: uint8 [dim/4], channel 4i+k in bits 2k..2k+1; scale, zero fp16 [dim/g]
@@ -83,7 +84,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor") -> Packed:
     """Quantize along the last dim. Raises ValueError on NaN/Inf or a group that does not divide the dim."""
     fmt.check_dim(x.shape[-1], what)
     if fmt.kind == "bf16":
-        return Packed(x.to(torch.bfloat16))
+        return Packed(x)  # passthrough: the protected precision is whatever the model computes in
     check_finite(x, what)
     if fmt.kind == "fp8":
         if fmt.group == 0:
