@@ -1,0 +1,103 @@
+"""Reference MLA math in plain torch, the oracle every other part is checked against.
+
+Shapes: B batch, H heads, T query tokens, S cached tokens, dc = kv_lora_rank, dr = rope dims.
+The cache holds c [B, S, dc] (after kv_a_layernorm and any latent scale) and k_pe [B, S, dr] (after RoPE).
+Absorbed decode never builds per-head keys or values:
+    q~_h  = W_uk,h^T q_nope,h                    [B, H, T, dc]
+    s_h   = scale * (q~_h . c + q_pe,h . k_pe)     [B, H, T, S]
+    l_h   = softmax(s_h) c                         [B, H, T, dc]   (output in latent space)
+    o_h   = W_uv,h l_h                             [B, H, T, dv] -> o_proj
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantmla.models.adapters import MLALayer, query_weight
+
+
+def apply_rope(x: torch.Tensor, position_embeddings, layer: MLALayer) -> torch.Tensor:
+    """RoPE on the rope part x [B, H, T, dr] exactly as the family's own modeling code does it.
+
+    position_embeddings: what the model passes to its attention — (cos, sin) [B, T, dr], or, for
+    DeepSeek-V2, complex freqs_cis [B, T, dr/2].
+    """
+    if layer.rope_style == "complex":
+        freqs = position_embeddings.unsqueeze(1)
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs).flatten(3).type_as(x)
+    cos, sin = (t.unsqueeze(1) for t in position_embeddings)
+    if layer.rope_style == "interleave":
+        cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+def project_queries(attn: nn.Module, layer: MLALayer, hidden: torch.Tensor, position_embeddings):
+    """hidden [B, T, hidden] -> (q_nope [B, H, T, dn], q_pe [B, H, T, dr] after RoPE)."""
+    if layer.q_path == "q_proj":
+        q = attn.q_proj(hidden)
+    else:
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden)))
+    q = q.view(*hidden.shape[:-1], layer.num_heads, layer.qk_head_dim).transpose(1, 2) * layer.query_scale
+    q_nope, q_pe = q.split([layer.nope_dim, layer.rope_dim], dim=-1)
+    return q_nope, apply_rope(q_pe, position_embeddings, layer)
+
+
+def split_kv_b(attn: nn.Module, layer: MLALayer) -> tuple[torch.Tensor, torch.Tensor]:
+    """kv_b_proj.weight -> (W_uk [H, dn, dc], W_uv [H, dv, dc])."""
+    w = attn.kv_b_proj.weight.view(layer.num_heads, layer.nope_dim + layer.v_dim, layer.kv_lora_rank)
+    return w[:, : layer.nope_dim], w[:, layer.nope_dim :]
+
+
+def absorb_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q_nope [B, H, T, dn], W_uk [H, dn, dc] -> q~ [B, H, T, dc]."""
+    return torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)
+
+
+def latent_attention(q_abs, q_pe, c, k_pe, scale: float, causal: bool = True):
+    """Softmax attention over the cache in latent space.
+
+    q_abs [B, H, T, dc], q_pe [B, H, T, dr], c [B, S, dc], k_pe [B, S, dr]; queries are the last T of the S
+    positions when causal. Returns (latent output [B, H, T, dc], log-sum-exp [B, H, T]), in fp32.
+    """
+    q_abs, q_pe, c, k_pe = (t.float() for t in (q_abs, q_pe, c, k_pe))
+    scores = scale * (torch.einsum("bhtc,bsc->bhts", q_abs, c) + torch.einsum("bhtr,bsr->bhts", q_pe, k_pe))
+    if causal:
+        t, s = scores.shape[-2:]
+        future = torch.ones(t, s, dtype=torch.bool, device=scores.device).triu(s - t + 1)
+        scores = scores.masked_fill(future, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    return torch.einsum("bhts,bsc->bhtc", torch.exp(scores - lse.unsqueeze(-1)), c), lse
+
+
+def attention_from_cache(attn, layer: MLALayer, hidden, position_embeddings, c, k_pe, causal: bool = True):
+    """The attention module's output (after o_proj) computed in absorbed form from the cache (c, k_pe).
+
+    c [B, S, dc] and k_pe [B, S, dr] must already contain the T tokens of `hidden` [B, T, hidden] at their end.
+    Returns (output [B, T, hidden], per-head values before o_proj [B, T, H*dv]).
+    """
+    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    w_uk, w_uv = split_kv_b(attn, layer)
+    latent, _ = latent_attention(absorb_queries(q_nope.float(), w_uk.float()), q_pe, c, k_pe,
+                                 layer.softmax_scale, causal)
+    heads = torch.einsum("bhtc,hvc->bthv", latent, w_uv.float()).flatten(2).to(hidden.dtype)
+    return attn.o_proj(heads), heads
+
+
+def expanded_attention(attn, layer: MLALayer, hidden, position_embeddings, c, k_pe):
+    """The same output computed the expanded way (per-head K/V materialised), for cross-checks."""
+    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    kv = attn.kv_b_proj(c).view(*c.shape[:2], layer.num_heads, -1).transpose(1, 2)
+    k_nope, v = kv.split([layer.nope_dim, layer.v_dim], dim=-1)
+    k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, layer.num_heads, -1, -1)], dim=-1)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    t, s = q.shape[-2], k.shape[-2]
+    mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(s - t)
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.softmax_scale)
+    heads = out.transpose(1, 2).flatten(2)
+    return attn.o_proj(heads), heads

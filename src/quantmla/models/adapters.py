@@ -1,0 +1,209 @@
+"""Adapters: from a Hugging Face MLA model (or a local checkpoint directory) to one `MLALayer` per attention.
+
+Everything family-specific lives here, in one small function per family; the rest of quantmla only reads
+`MLALayer`. Every supported family names its attention weights the same way (`q_proj` or `q_a_proj`/
+`q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`); they differ in where the RoPE
+pairs sit and in a few scalars.
+
+RoPE styles (pairs are index pairs inside the rope part, of width d):
+  complex     DeepSeek-V2: weights and cache both interleaved, pair j = (2j, 2j+1)
+  interleave  V3-style `rope_interleave=True`: weights interleaved (2j, 2j+1); the rotary op de-interleaves,
+              so the cache holds pair j at (j, j + d/2)
+  half        weights and cache both half-split, pair j = (j, j + d/2)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+
+class UnsupportedModelError(ValueError):
+    """The model is not an MLA family quantmla knows how to handle."""
+
+
+@dataclass(frozen=True)
+class MLALayer:
+    """What quantmla needs to know about one MLA attention module.
+
+    cache_idx:     the `layer_idx` the module passes to `Cache.update` (LongCat has two per decoder layer)
+    module:        dotted path of the attention module inside the model
+    q_path:        "q_proj" (one projection) or "q_a_q_b" (low-rank q with q_a_layernorm)
+    rope_style:    "complex" | "interleave" | "half" (see module docstring)
+    latent_scale:  constant multiplying the latent after kv_a_layernorm (LongCat's mla_scale_kv_lora)
+    query_scale:   constant multiplying q (LongCat's mla_scale_q_lora)
+    softmax_scale: the attention's score scale, YaRN mscale included
+    mscale:        softmax_scale / qk_head_dim**-0.5 (1.0 without YaRN)
+    """
+
+    model_type: str
+    cache_idx: int
+    module: str
+    num_heads: int
+    kv_lora_rank: int
+    rope_dim: int
+    nope_dim: int
+    v_dim: int
+    q_path: str
+    rope_style: str
+    latent_scale: float = 1.0
+    query_scale: float = 1.0
+    softmax_scale: float = 1.0
+    mscale: float = 1.0
+
+    @property
+    def weight_pairs(self) -> list[tuple[int, int]]:
+        """Index pairs (inside the rope rows of kv_a_proj and of each query head) that RoPE rotates together."""
+        half = self.rope_dim // 2
+        if self.rope_style in ("complex", "interleave"):
+            return [(2 * j, 2 * j + 1) for j in range(half)]
+        return [(j, j + half) for j in range(half)]
+
+    @property
+    def cache_pairs(self) -> list[tuple[int, int]]:
+        """The same pairs in the coordinates of the cached k_pe."""
+        half = self.rope_dim // 2
+        if self.rope_style == "complex":
+            return [(2 * j, 2 * j + 1) for j in range(half)]
+        return [(j, j + half) for j in range(half)]
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.nope_dim + self.rope_dim
+
+
+def _rope_interleave_flag(config, attn) -> str:
+    return "interleave" if getattr(config, "rope_interleave", False) else "half"
+
+
+# One function per family: (config, attention module) -> (rope_style, extra MLALayer fields).
+def _deepseek_v2(config, attn):
+    return "complex", {}
+
+
+def _v3_like(config, attn):
+    return _rope_interleave_flag(config, attn), {}
+
+
+def _longcat_flash(config, attn):
+    # LongCat always applies the interleaved rotary op and scales q and the latent by constants.
+    return "interleave", {"latent_scale": float(attn.mla_scale_kv_lora), "query_scale": float(attn.mla_scale_q_lora)}
+
+
+def _minicpm3(config, attn):
+    return "half", {}
+
+
+FAMILIES = {
+    "deepseek_v2": _deepseek_v2,
+    "deepseek_v3": _v3_like,  # also Kimi K2
+    "glm4_moe_lite": _v3_like,  # GLM-4.7-Flash
+    "youtu": _v3_like,
+    "longcat_flash": _longcat_flash,
+    "minicpm3": _minicpm3,
+}
+
+
+def _text_config(model: nn.Module):
+    config = model.config
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _is_mla_attention(module: nn.Module) -> bool:
+    return all(hasattr(module, n) for n in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"))
+
+
+def describe(model: nn.Module | str | Path) -> list[MLALayer]:
+    """One MLALayer per MLA attention module, in cache-index order.
+
+    `model` may be a loaded model or a checkpoint directory (then only its config is read and the model is
+    built on the meta device, without weights).
+    """
+    if isinstance(model, (str, Path)):
+        model = load_model(model, meta=True)
+    config = _text_config(model)
+    model_type = getattr(config, "model_type", type(model).__name__)
+    if model_type not in FAMILIES:
+        raise UnsupportedModelError(
+            f"model_type {model_type!r} is not a supported MLA family; supported: {', '.join(sorted(FAMILIES))}"
+        )
+    layers = []
+    for name, attn in model.named_modules():
+        if not _is_mla_attention(attn):
+            continue
+        rope_style, extra = FAMILIES[model_type](config, attn)
+        qk_head_dim = attn.qk_nope_head_dim + attn.qk_rope_head_dim
+        layers.append(
+            MLALayer(
+                model_type=model_type,
+                cache_idx=int(attn.layer_idx),
+                module=name,
+                num_heads=int(attn.num_heads),
+                kv_lora_rank=int(attn.kv_lora_rank),
+                rope_dim=int(attn.qk_rope_head_dim),
+                nope_dim=int(attn.qk_nope_head_dim),
+                v_dim=int(attn.v_head_dim),
+                q_path="q_proj" if getattr(attn, "q_proj", None) is not None else "q_a_q_b",
+                rope_style=rope_style,
+                softmax_scale=float(attn.scaling),
+                mscale=float(attn.scaling) * math.sqrt(qk_head_dim),
+                **extra,
+            )
+        )
+    if not layers:
+        raise UnsupportedModelError(f"model_type {model_type!r}: no MLA attention modules found in the model")
+    return sorted(layers, key=lambda s: s.cache_idx)
+
+
+def attention_module(model: nn.Module, layer: MLALayer) -> nn.Module:
+    return model.get_submodule(layer.module)
+
+
+def query_weight(attn: nn.Module, layer: MLALayer) -> nn.Linear:
+    """The linear whose output rows are the per-head queries [H * (nope + rope)]."""
+    return attn.q_proj if layer.q_path == "q_proj" else attn.q_b_proj
+
+
+def check_checkpoint_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model directory not found: {path}")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+    return path
+
+
+def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False, attn: str = "eager"):
+    """Load a local HF MLA checkpoint with transformers' own classes (no hub access).
+
+    meta=True builds the architecture without weights (for `describe`/`info`).
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = check_checkpoint_dir(path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "model_type", None) not in FAMILIES:
+        raise UnsupportedModelError(
+            f"model_type {getattr(text, 'model_type', None)!r} in {path} is not a supported MLA family; "
+            f"supported: {', '.join(sorted(FAMILIES))}"
+        )
+    if meta:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        raise FileNotFoundError(f"{path} has a config.json but no weights (*.safetensors)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation=attn)
+    return model.eval()
+
+
+def cache_kwargs(model: nn.Module, cache) -> dict:
+    """How to hand a Cache to `model(...)`/`generate(...)`: transformers >= 5.2x names it `cache`, older 5.x
+    releases `past_key_values` (still accepted, with a deprecation warning, by the newer ones)."""
+    import inspect
+
+    return {"cache": cache} if "cache" in inspect.signature(model.forward).parameters else {"past_key_values": cache}

@@ -1,0 +1,99 @@
+"""Adapters and the reference MLA math against transformers' own attention, for every family."""
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from quantmla.capture import capture
+from quantmla.mla import attention_from_cache, expanded_attention
+from quantmla.models import UnsupportedModelError, attention_module, describe, load_model
+from quantmla.models.tiny import TINY_FAMILIES, save_tiny_model, tiny_model
+
+FAMILIES = list(TINY_FAMILIES)
+
+
+def rel(a, b):
+    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reference_matches_transformers(family):
+    model = tiny_model(family)
+    layers = describe(model)
+    ids = torch.randint(0, 128, (2, 13))
+    cap = capture(model, layers, ids)
+    for layer in layers:
+        k = cap[layer.cache_idx]
+        attn = attention_module(model, layer)
+        absorbed, heads = attention_from_cache(attn, layer, k.hidden, k.position_embeddings, k.c, k.k_pe)
+        expanded, _ = expanded_attention(attn, layer, k.hidden, k.position_embeddings, k.c, k.k_pe)
+        assert rel(absorbed, k.output) < 1e-5
+        assert rel(heads, k.heads) < 1e-5
+        assert rel(expanded, k.output) < 1e-5
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_reference_decode_step_matches(family):
+    """One query against a longer cache (decode), not only the square prefill case."""
+    model = tiny_model(family)
+    layers = describe(model)
+    ids = torch.randint(0, 128, (1, 9))
+    full = capture(model, layers, ids)
+    for layer in layers:
+        k = full[layer.cache_idx]
+        attn = attention_module(model, layer)
+        pe = tuple(t[:, -1:] for t in k.position_embeddings) if isinstance(k.position_embeddings, tuple) \
+            else k.position_embeddings[:, -1:]
+        out, _ = attention_from_cache(attn, layer, k.hidden[:, -1:], pe, k.c, k.k_pe)
+        assert rel(out, k.output[:, -1:]) < 1e-5
+
+
+def test_wrong_rope_layout_is_detected():
+    """The reference depends on the adapter's pair layout: a wrong style must not match (the test can fail)."""
+    model = tiny_model("deepseek_v3")
+    layer = describe(model)[0]
+    wrong = dataclasses.replace(layer, rope_style="half")
+    k = capture(model, [layer], torch.randint(0, 128, (1, 10)))[layer.cache_idx]
+    out, _ = attention_from_cache(attention_module(model, layer), wrong, k.hidden, k.position_embeddings, k.c, k.k_pe)
+    assert rel(out, k.output) > 1e-3
+
+
+def test_descriptions():
+    by = {f: describe(tiny_model(f)) for f in FAMILIES}
+    assert by["deepseek_v2"][0].rope_style == "complex" and by["deepseek_v2"][0].q_path == "q_proj"
+    assert by["deepseek_v3"][0].rope_style == "interleave" and by["deepseek_v3"][0].q_path == "q_a_q_b"
+    assert by["deepseek_v3_halfsplit"][0].rope_style == "half"
+    assert by["minicpm3"][0].rope_dim == 8 and by["minicpm3"][0].rope_style == "half"
+    longcat = by["longcat_flash"]
+    assert [layer.cache_idx for layer in longcat] == [0, 1, 2, 3]  # two attentions per decoder layer
+    assert longcat[0].latent_scale == pytest.approx((64 / 32) ** 0.5)
+    v3 = by["deepseek_v3"][0]
+    assert v3.weight_pairs[1] == (2, 3) and v3.cache_pairs[1] == (1, 1 + v3.rope_dim // 2)
+
+
+def test_non_mla_model_is_rejected(tmp_path):
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg)
+    with pytest.raises(UnsupportedModelError, match="'llama'.*supported: deepseek_v2"):
+        describe(model)
+    model.save_pretrained(tmp_path / "llama")
+    with pytest.raises(UnsupportedModelError, match="'llama'"):
+        load_model(tmp_path / "llama")
+
+
+def test_checkpoint_dir_round_trip_and_errors(tmp_path):
+    path = save_tiny_model("deepseek_v3", tmp_path / "v3")
+    assert describe(path) == describe(tiny_model("deepseek_v3"))  # meta-device describe reads only config
+    model = load_model(path)
+    assert rel(model(torch.arange(8)[None]).logits, tiny_model("deepseek_v3")(torch.arange(8)[None]).logits) < 1e-6
+    with pytest.raises(FileNotFoundError, match="not found"):
+        load_model(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(tmp_path / "empty")
+    (tmp_path / "v3" / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match="no weights"):
+        load_model(path)
