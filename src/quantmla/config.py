@@ -62,6 +62,10 @@ class QuantFormat:
         if self.kind == "int4" and dim % 2 or self.kind == "int2" and dim % 4:
             raise ValueError(f"{path} format {self}: {dim} channels cannot be packed {8 // self.bits} per byte")
 
+    def fit(self, dim: int) -> QuantFormat:
+        """This format for a path of `dim` channels: a group wider than the path becomes the whole path."""
+        return QuantFormat(self.kind, dim) if self.group > dim else self
+
     def __str__(self) -> str:
         if self.kind == "bf16" or self.group == DEFAULT_GROUP[self.kind]:
             return self.kind
@@ -90,6 +94,12 @@ class CacheConfig:
     def check_dims(self, kv_lora_rank: int, rope_dim: int) -> None:
         self.content.check_dim(kv_lora_rank, "content")
         self.rope.check_dim(rope_dim, "rope")
+
+    def fit(self, kv_lora_rank: int, rope_dim: int) -> CacheConfig:
+        """The config for a model's dims (small test models have paths narrower than the default groups)."""
+        cfg = CacheConfig(self.content.fit(kv_lora_rank), self.rope.fit(rope_dim), self.sink, self.recent)
+        cfg.check_dims(kv_lora_rank, rope_dim)
+        return cfg
 
     def to_dict(self) -> dict:
         return {"content": str(self.content), "rope": str(self.rope), "sink": self.sink, "recent": self.recent}

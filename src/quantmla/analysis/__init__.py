@@ -1,0 +1,1 @@
+"""Analyses of how cache error propagates: the RoPE-vs-content amplification experiment."""

@@ -1,0 +1,176 @@
+"""The amplification experiment (DESIGN.md §5).
+
+Per layer, noise of exactly the given NMSE is put into one cache path (content c or RoPE k_pe) of that layer
+alone, and the attention output's NMSE is measured before and after o_proj. The attention is computed with
+the absorbed reference (`mla.attention_from_cache`), which the tests hold equal to transformers' own
+attention, so one captured forward pass serves every layer. End to end, the same noise goes into every
+layer at once (through a Cache that hands the model perturbed history) and the next-token KL to the clean
+model and the perplexity change are reported.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from quantmla.capture import capture
+from quantmla.mla import attention_from_cache
+from quantmla.models.adapters import MLALayer, attention_module, cache_kwargs
+
+PATHS = ("content", "rope")
+
+
+def add_noise(x: torch.Tensor, nmse: float, generator: torch.Generator) -> torch.Tensor:
+    """x + Gaussian noise scaled so that ||noise||^2 / ||x||^2 == nmse exactly."""
+    noise = torch.randn(x.shape, generator=generator, dtype=torch.float64).to(x.device)
+    noise *= math.sqrt(nmse * x.double().pow(2).sum().item() / noise.pow(2).sum().item())
+    return (x.double() + noise).to(x.dtype)
+
+
+def nmse(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.double() - ref.double()).pow(2).sum() / ref.double().pow(2).sum()).item()
+
+
+class PerturbedCache(DynamicCache):
+    """A DynamicCache that stores clean history and returns it with noise on one path (for the listed layers)."""
+
+    def __init__(self, config, path: str, nmse: float, layers: set[int], seed: int = 0):
+        super().__init__(config=config)
+        self.path, self.nmse, self.noisy_layers = path, nmse, layers
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        c, k_pe = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx in self.noisy_layers:
+            if self.path == "content":
+                c = add_noise(c, self.nmse, self.generator)
+            else:
+                k_pe = add_noise(k_pe, self.nmse, self.generator)
+        return c, k_pe
+
+
+@dataclass
+class LayerAmplification:
+    layer: int
+    module: str
+    content_heads_nmse: float  # attention output before o_proj
+    rope_heads_nmse: float
+    content_out_nmse: float  # after o_proj
+    rope_out_nmse: float
+
+    @property
+    def ratio(self) -> float:
+        return self.rope_out_nmse / self.content_out_nmse
+
+    @property
+    def ratio_heads(self) -> float:
+        return self.rope_heads_nmse / self.content_heads_nmse
+
+
+@dataclass
+class AmplificationResult:
+    nmse: float
+    tokens: int
+    layers: list[LayerAmplification]
+    end_to_end: dict = field(default_factory=dict)  # path -> {kl, ppl, ppl_clean}
+
+    @property
+    def mean_ratio(self) -> float:
+        return sum(layer.ratio for layer in self.layers) / len(self.layers)
+
+    def to_dict(self) -> dict:
+        return {
+            "nmse": self.nmse,
+            "tokens": self.tokens,
+            "layers": [{**asdict(layer), "ratio": layer.ratio, "ratio_heads": layer.ratio_heads}
+                       for layer in self.layers],
+            "mean_ratio": self.mean_ratio,
+            "mean_ratio_heads": sum(layer.ratio_heads for layer in self.layers) / len(self.layers),
+            "end_to_end": self.end_to_end,
+        }
+
+
+@torch.no_grad()
+def layer_amplification(model, layers: list[MLALayer], input_ids: torch.Tensor, nmse_target: float = 0.01,
+                        seed: int = 0, draws: int = 3, progress: bool = True) -> list[LayerAmplification]:
+    """Per-layer output NMSE with noise on content only vs RoPE only (mean over `draws` noise draws)."""
+    cap = capture(model, layers, input_ids)
+    gen = torch.Generator().manual_seed(seed)
+    results = []
+    for layer in tqdm(layers, desc="layers", disable=not progress):
+        k = cap[layer.cache_idx]
+        attn = attention_module(model, layer)
+        clean_out, clean_heads = attention_from_cache(attn, layer, k.hidden, k.position_embeddings, k.c, k.k_pe)
+        acc = {p: [0.0, 0.0] for p in PATHS}
+        for _ in range(draws):
+            for path in PATHS:
+                c = add_noise(k.c, nmse_target, gen) if path == "content" else k.c
+                k_pe = add_noise(k.k_pe, nmse_target, gen) if path == "rope" else k.k_pe
+                out, heads = attention_from_cache(attn, layer, k.hidden, k.position_embeddings, c, k_pe)
+                acc[path][0] += nmse(heads, clean_heads) / draws
+                acc[path][1] += nmse(out, clean_out) / draws
+        results.append(LayerAmplification(layer.cache_idx, layer.module, acc["content"][0], acc["rope"][0],
+                                          acc["content"][1], acc["rope"][1]))
+    return results
+
+
+def next_token_stats(logits: torch.Tensor, ref_logits: torch.Tensor, input_ids: torch.Tensor) -> dict:
+    """KL(ref || logits) per next token (mean, nats) and perplexity of both on the next tokens."""
+    lp, ref = F.log_softmax(logits[:, :-1].double(), -1), F.log_softmax(ref_logits[:, :-1].double(), -1)
+    kl = (ref.exp() * (ref - lp)).sum(-1).mean().item()
+    target = input_ids[:, 1:].unsqueeze(-1)
+    ppl = math.exp(-lp.gather(-1, target).mean().item())
+    ppl_ref = math.exp(-ref.gather(-1, target).mean().item())
+    return {"kl": kl, "ppl": ppl, "ppl_clean": ppl_ref}
+
+
+@torch.no_grad()
+def end_to_end(model, layers: list[MLALayer], input_ids: torch.Tensor, nmse_target: float = 0.01,
+               seed: int = 0) -> dict:
+    """Noise on one path of every layer at once: next-token KL to the clean model and perplexity."""
+    clean = model(input_ids).logits
+    out = {}
+    for path in PATHS:
+        cache = PerturbedCache(model.config, path, nmse_target, {layer.cache_idx for layer in layers}, seed)
+        logits = model(input_ids, use_cache=True, **cache_kwargs(model, cache)).logits
+        out[path] = next_token_stats(logits, clean, input_ids)
+    return out
+
+
+def amplification(model, layers, input_ids, nmse_target=0.01, seed=0, progress=True) -> AmplificationResult:
+    per_layer = layer_amplification(model, layers, input_ids, nmse_target, seed, progress=progress)
+    e2e = end_to_end(model, layers, input_ids, nmse_target, seed)
+    return AmplificationResult(nmse_target, int(input_ids.numel()), per_layer, e2e)
+
+
+def plot(result: AmplificationResult, path, title: str = "") -> None:
+    """Per-layer attention-output NMSE for content-only and RoPE-only noise, with the ratio on a second axis."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    xs = [layer.layer for layer in result.layers]
+    fig, ax = plt.subplots(figsize=(max(6, 0.35 * len(xs) + 3), 4))
+    w = 0.4
+    ax.bar([x - w / 2 for x in xs], [layer.content_out_nmse for layer in result.layers], w, label="noise in content c")
+    ax.bar([x + w / 2 for x in xs], [layer.rope_out_nmse for layer in result.layers], w, label="noise in RoPE k_pe")
+    ax.set_xlabel("layer (cache index)")
+    ax.set_ylabel(f"attention-output NMSE (cache NMSE {result.nmse:g})")
+    ax.set_yscale("log")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [layer.ratio for layer in result.layers], "k.-", label="ratio RoPE/content")
+    ax2.set_ylabel("ratio RoPE / content")
+    ax2.set_ylim(bottom=0)
+    h1, l1 = ax.get_legend_handles_labels()
+    h2, l2 = ax2.get_legend_handles_labels()
+    ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8)
+    ax.set_title(title or f"Amplification: mean ratio {result.mean_ratio:.2f}x")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

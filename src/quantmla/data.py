@@ -1,0 +1,73 @@
+"""Where models and text come from when the user names none, and how text becomes token ids.
+
+The default model is the small trained MLA checkpoint shipped in `quantmla/default_model/`; the default
+texts are `quantmla/data/calibration.txt` (from its training split) and `heldout.txt` (its held-out split).
+"""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import torch
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+DEFAULT_MODEL_DIR = PACKAGE_DIR / "default_model"
+DATA_DIR = PACKAGE_DIR / "data"
+
+
+def default_model_dir() -> Path:
+    """The shipped default model; if a checkout lacks it, a tiny random deepseek_v3 written to a temp dir."""
+    if (DEFAULT_MODEL_DIR / "config.json").is_file():
+        return DEFAULT_MODEL_DIR
+    from quantmla.models.tiny import save_tiny_model
+
+    path = Path(tempfile.gettempdir()) / "quantmla-tiny-deepseek_v3"
+    if not (path / "config.json").is_file():
+        save_tiny_model("deepseek_v3", path)
+    return path
+
+
+def resolve_model_dir(model: str | Path | None) -> Path:
+    return default_model_dir() if model is None else Path(model)
+
+
+def read_text(path: str | Path | None, default: str = "calibration.txt") -> str:
+    """The user's text file, or one of the shipped samples (falling back to quantmla's own sources)."""
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"text file not found: {path}")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if not text.strip():
+            raise ValueError(f"text file is empty: {path}")
+        return text
+    shipped = DATA_DIR / default
+    if shipped.is_file():
+        return shipped.read_text(encoding="utf-8")
+    return "\n".join(p.read_text() for p in sorted(PACKAGE_DIR.rglob("*.py")))
+
+
+def tokenizer_for(model_dir: str | Path):
+    """The checkpoint's own tokenizer, or None when it ships none (the tiny test models)."""
+    model_dir = Path(model_dir)
+    if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def encode(text: str, tokenizer, vocab_size: int) -> torch.Tensor:
+    """Token ids [N]. Without a tokenizer, bytes modulo the vocabulary (good enough for random test models)."""
+    if tokenizer is None:
+        return torch.tensor(list(text.encode("utf-8")), dtype=torch.long) % vocab_size
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+
+
+def token_windows(ids: torch.Tensor, length: int, count: int) -> torch.Tensor:
+    """`count` consecutive, non-overlapping windows of `length` tokens: [count, length]."""
+    if ids.numel() < length:
+        raise ValueError(f"text too short: {ids.numel()} tokens, need at least {length}")
+    count = min(count, ids.numel() // length)
+    return ids[: count * length].view(count, length)
