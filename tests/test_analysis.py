@@ -85,4 +85,5 @@ def test_commands_reject_bad_input(tiny_dir, tmp_path, capsys):
                                          num_attention_heads=2, num_key_value_heads=2))
     llama.save_pretrained(tmp_path / "llama")
     assert main(["info", str(tmp_path / "llama")]) == 2
-    assert "'llama' is not a supported MLA family" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "model_type 'llama'" in err and "not a supported MLA family; supported: deepseek_v2" in err
