@@ -102,6 +102,63 @@ def cmd_analyze(args) -> None:
         console.print(f"wrote {args.plot}")
 
 
+# ---------------------------------------------------------------- calibrate
+def _formats(args):
+    """--content/--rope, with --group applied to the integer formats that name no group of their own."""
+    from quantmla.config import QuantFormat
+
+    out = []
+    for spec in (args.content, args.rope):
+        fmt = QuantFormat.parse(spec)
+        if args.group and ":" not in spec and fmt.is_integer:
+            fmt = QuantFormat(fmt.kind, args.group)
+        out.append(fmt)
+    return out
+
+
+def cmd_calibrate(args) -> None:
+    import torch
+
+    from quantmla.calibrate.driver import calibrate_model
+    from quantmla.calibrate.export import save_calibrated
+    from quantmla.config import CacheConfig
+    from quantmla.data import encode, read_text, resolve_model_dir, token_windows, tokenizer_for
+    from quantmla.models import describe, load_model
+
+    model_dir = resolve_model_dir(args.model)
+    content, rope = _formats(args)
+    model = load_model(model_dir)
+    layers = describe(model)
+    cfg = CacheConfig(content, rope, args.sink, args.recent).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
+    ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size)
+    batch = token_windows(ids, args.length, args.samples)
+    if batch.shape[0] < 2:
+        raise ValueError(f"need at least 2 calibration sequences of {args.length} tokens; the text has fewer")
+    console.print(f"calibrating {model_dir} ({len(layers)} MLA attentions) for content {cfg.content}, "
+                  f"rope {cfg.rope}: {batch.shape[0]} x {batch.shape[1]} tokens, {args.steps} steps per path")
+    torch.manual_seed(args.seed)
+    reports = calibrate_model(model, layers, batch, cfg, args.steps, args.seed)
+    table = Table(title="Calibration objectives on held-out calibration sequences (real quantization)")
+    for col in ("layer", "content: identity", "content: calibrated", "rope: identity", "rope: calibrated"):
+        table.add_column(col, justify="right")
+    fmt = lambda v: "-" if v is None else f"{v:.3e}"  # noqa: E731
+    for r in reports:
+        table.add_row(str(r.layer), fmt(r.content_identity), fmt(r.content_best), fmt(r.rope_identity),
+                      fmt(r.rope_best))
+    console.print(table)
+    calibration = {"samples": int(batch.shape[0]), "length": int(batch.shape[1]), "steps": args.steps,
+                   "seed": args.seed, "source": str(model_dir), "data": args.data or "built-in"}
+    if args.dtype == "auto":
+        import json
+
+        source = json.loads((model_dir / "config.json").read_text())
+        dtype = getattr(torch, source.get("dtype") or source.get("torch_dtype") or "float32")
+    else:
+        dtype = getattr(torch, args.dtype)
+    out = save_calibrated(model, args.out, cfg, calibration, reports, model_dir, dtype)
+    console.print(f"wrote calibrated checkpoint to {out} (weights in {str(dtype).replace('torch.', '')})")
+
+
 # ---------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -136,6 +193,27 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--json", help="write the results as JSON here")
     s.add_argument("--plot", help="write a per-layer plot (PNG) here")
     s.set_defaults(func=cmd_analyze)
+    s = sub.add_parser("calibrate", help="learn both path transforms and write a fused checkpoint",
+                       description="Calibrate the content transform (rotation + channel scale, on attention-output "
+                                   "reconstruction) and the RoPE transform (per-pair rotation + scale, on "
+                                   "positional QK reconstruction) layer by layer, fold both into the weights and "
+                                   "write a checkpoint that plain transformers loads; its config.json gets a "
+                                   "quantmla section that configures quantmla's cache.")
+    s.add_argument("model", nargs="?", help=MODEL_HELP)
+    s.add_argument("--content", default="int4", help="content format (default int4)")
+    s.add_argument("--rope", default="int4", help="RoPE format (default int4)")
+    s.add_argument("--group", type=int, help="channels per scale group for integer formats without their own")
+    s.add_argument("--sink", type=int, default=4, help="first tokens kept in BF16 (default 4)")
+    s.add_argument("--recent", type=int, default=128, help="most recent tokens kept in BF16 (default 128)")
+    s.add_argument("--data", help="calibration text file (default: the built-in calibration sample)")
+    s.add_argument("--samples", type=int, default=8, help="calibration sequences, half fit and half judge (default 8)")
+    s.add_argument("--length", type=int, default=512, help="tokens per sequence (default 512)")
+    s.add_argument("--steps", type=int, default=100, help="optimiser steps per path and layer (default 100)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
+                   help="weight dtype of the written checkpoint (default: the source's)")
+    s.add_argument("--out", required=True, help="output directory")
+    s.set_defaults(func=cmd_calibrate)
     return p
 
 

@@ -101,3 +101,11 @@ def expanded_attention(attn, layer: MLALayer, hidden, position_embeddings, c, k_
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=layer.softmax_scale)
     heads = out.transpose(1, 2).flatten(2)
     return attn.o_proj(heads), heads
+
+
+def project_cache(attn: nn.Module, layer: MLALayer, hidden: torch.Tensor, position_embeddings):
+    """What the attention writes to the cache for hidden [B, T, hidden]: (c [B, T, dc], k_pe [B, T, dr])."""
+    kv = attn.kv_a_proj_with_mqa(hidden)
+    c, k_pe = kv.split([layer.kv_lora_rank, layer.rope_dim], dim=-1)
+    c = attn.kv_a_layernorm(c) * layer.latent_scale
+    return c, apply_rope(k_pe.unsqueeze(1), position_embeddings, layer).squeeze(1)

@@ -77,7 +77,11 @@ def _int_scale_zero(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tenso
     scale = ((hi - lo) / (2**bits - 1) * (1 + 2**-10)).clamp_min(2**-24)
     if (scale > 6e4).any() or (lo.abs() > 6e4).any():
         raise ValueError("cannot quantize: values exceed the fp16 range of the scales (|x| > 6e4)")
-    return scale.half(), lo.half()
+    # Below 2^-14 fp16 is subnormal and may round down by far more than the 2^-10 margin; step such scales
+    # up to the next fp16 value so the group maximum still fits (tiny ranges would otherwise clip).
+    s16 = scale.half()
+    s16 = torch.where(s16.float() < scale, torch.nextafter(s16, torch.full_like(s16, torch.inf)), s16)
+    return s16, lo.half()
 
 
 def quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor") -> Packed:
@@ -127,3 +131,23 @@ def bytes_per_token(fmt: QuantFormat, dim: int) -> int:
     if fmt.kind == "fp8":
         return dim + (4 * dim // fmt.group if fmt.group else 0)
     return dim * fmt.bits // 8 + 4 * (dim // fmt.group)
+
+
+def fake_quantize_ste(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
+    """Differentiable stand-in for fake_quantize, for calibration: rounding passes gradients straight through,
+    while the group scale and zero (from the group min/max) stay differentiable. Forward values are exactly
+    fake_quantize's. Calibration must still judge its objective with
+    the real fake_quantize: the straight-through gradient does not see how the step size drives rounding error.
+    """
+    if fmt.kind == "bf16":
+        return x
+    if fmt.kind == "fp8":
+        return x + (fake_quantize(x.detach(), fmt) - x).detach()
+    qmax = 2**fmt.bits - 1
+    g = x.unflatten(-1, (-1, fmt.group))
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = (hi - lo).clamp_min(1e-8) / qmax
+    q = (g - lo) / scale
+    q = q + (q.round().clamp(0, qmax) - q).detach()
+    ste = (q * scale + lo).flatten(-2)
+    return ste + (fake_quantize(x.detach(), fmt) - ste).detach()

@@ -1,0 +1,104 @@
+"""Content path calibration: orthogonal rotation R and channel scale sigma on attention-output reconstruction.
+
+Objective (DESIGN.md §3): the error of the attention output when the content cache is quantized, judged
+where it lands — after both the scores and the value aggregation:
+    || Attn(q, Q~(c), k_pe) - Attn(q, c, k_pe) ||^2 / || Attn(q, c, k_pe) ||^2
+with Q~(c) = s*gamma * R^T ( Q(s*sigma * R c_hat) / (s*sigma) ), c_hat = c / (s*gamma): quantize in the
+transformed space, map back, and compare in the original one (the fold makes the two spaces equivalent).
+R is parametrised with torch's orthogonal parametrization (matrix exponential), sigma by its logarithm.
+Starting points: identity, and a randomized Hadamard rotation (spreads outlier channels over the group).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn.utils.parametrizations import orthogonal
+
+from quantmla.calibrate.search import SearchResult, search, split
+from quantmla.config import QuantFormat
+from quantmla.quant.formats import fake_quantize, fake_quantize_ste
+from quantmla.transforms.content import ContentTransform
+
+
+def random_hadamard(n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """H diag(random signs) / sqrt(n) for n a power of two (falls back to a random orthogonal matrix)."""
+    if n & (n - 1):
+        return torch.linalg.qr(torch.randn(n, n, generator=generator, dtype=torch.float64))[0].float()
+    h = torch.ones(1, 1)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (n,), generator=generator).float() * 2 - 1
+    return h * signs / n**0.5
+
+
+def attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos):
+    """Per-head attention output in value space [B, H, Tq, dv] for queries at positions q_pos [Tq]."""
+    scores = scale * (torch.einsum("bhtc,bsc->bhts", q_abs, c) + torch.einsum("bhtr,bsr->bhts", q_pe, k_pe))
+    future = torch.arange(c.shape[1])[None, :] > q_pos[:, None]
+    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
+    return torch.einsum("bhts,bsc,hvc->bhtv", probs, c, w_uv)
+
+
+def content_error(batch, gamma, rotation, sigma, fmt: QuantFormat, quant) -> torch.Tensor:
+    """Normalised attention-output error with the content cache quantized through (rotation, sigma)."""
+    q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, ref = batch
+    c_hat = c / gamma
+    c_t = quant((c_hat @ rotation.T) * sigma, fmt)
+    c_q = ((c_t / sigma) @ rotation) * gamma
+    out = attention_heads(q_abs, q_pe, c_q, k_pe, w_uv, scale, q_pos)
+    return (out - ref).pow(2).sum() / ref.pow(2).sum()
+
+
+def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, fmt: QuantFormat,
+                      steps: int = 100, seed: int = 0, train_frac: float = 0.5
+                      ) -> tuple[ContentTransform, SearchResult]:
+    """q_abs [B, H, Tq, dc] absorbed queries and q_pe [B, H, Tq, dr] at positions q_pos [Tq]; c [B, S, dc] and
+    k_pe [B, S, dr] the cache; w_uv [H, dv, dc]; gamma [dc] = latent scale * kv_a_layernorm weight (c = gamma *
+    c_hat). Returns the transform to fold, with sigma expressed for the fold (the cache holds sigma * R c_hat
+    times the latent scale)."""
+    g = torch.Generator().manual_seed(seed)
+    q_abs, q_pe, c, k_pe, w_uv, gamma = (t.detach().float() for t in (q_abs, q_pe, c, k_pe, w_uv, gamma))
+    train_sl, held_sl = split(c.shape[0], train_frac)
+
+    def batch(sl):
+        ref = attention_heads(q_abs[sl], q_pe[sl], c[sl], k_pe[sl], w_uv, softmax_scale, q_pos)
+        return q_abs[sl], q_pe[sl], c[sl], k_pe[sl], w_uv, softmax_scale, q_pos, ref
+
+    train, held_out = batch(train_sl), batch(held_sl)
+    dc = c.shape[-1]
+    hadamard = random_hadamard(dc, g)
+    c_rot_rms = ((c / gamma) @ hadamard.T).pow(2).mean(dim=(0, 1)).sqrt()
+    starts = {
+        # identity: the cache unchanged (sigma = gamma keeps c' = c)
+        "identity": {"rotation": torch.eye(dc), "log_sigma": torch.log(gamma.abs().clamp_min(1e-6))},
+        "hadamard": {"rotation": hadamard, "log_sigma": -torch.log(c_rot_rms.clamp_min(1e-6))},
+    }
+    # R is optimised through torch's orthogonal parametrization, starting at the Hadamard rotation.
+    lin = orthogonal(nn.Linear(dc, dc, bias=False))
+    with torch.no_grad():
+        lin.weight = hadamard
+    log_sigma = starts["hadamard"]["log_sigma"].clone().requires_grad_(True)
+
+    def error(p, data, quant):
+        return content_error(data, gamma, p["rotation"], torch.exp(p["log_sigma"]), fmt, quant)
+
+    res = search(
+        starts,
+        true_objective=lambda p: float(error(p, held_out, fake_quantize).detach()),
+        surrogate=lambda p: error(p, train, fake_quantize_ste),
+        current=lambda: {"rotation": lin.weight, "log_sigma": log_sigma},
+        param_groups=[{"params": list(lin.parameters()), "lr": 2e-3}, {"params": [log_sigma], "lr": 1e-2}],
+        steps=steps,
+    )
+    return ContentTransform(res.params["rotation"].double(), torch.exp(res.params["log_sigma"])), res
+
+
+def content_objective(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, fmt: QuantFormat,
+                      t: ContentTransform) -> float:
+    """The true objective of a given transform (real quantization), e.g. to compare with the identity."""
+    q_abs, q_pe, c, k_pe, w_uv, gamma = (x.float() for x in (q_abs, q_pe, c, k_pe, w_uv, gamma))
+    ref = attention_heads(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos)
+    data = (q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos, ref)
+    with torch.no_grad():
+        return float(content_error(data, gamma, t.rotation.float(), t.scale.float(), fmt, fake_quantize))

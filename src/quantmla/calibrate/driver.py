@@ -1,0 +1,140 @@
+"""The layer-by-layer calibration loop.
+
+Hidden states enter decoder layer 0; for each decoder layer in turn: run it once with hooks on its MLA
+attention(s) to capture their inputs, calibrate each attention's content and RoPE transforms, fold them
+(exact, so the layer's output is unchanged), and pass the layer's output on. Only one decoder layer's
+activations are alive at a time, so peak memory does not grow with depth. For a checkpoint larger than
+memory (a 671 B DeepSeek-V3), build the model on the meta device and materialise one decoder layer's
+weights at a time from its safetensors shards (their index maps every tensor name to a file): this loop only
+ever touches `layers[i]`, so loading before and writing the folded tensors back after each step is all it
+needs around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from tqdm.auto import tqdm
+
+from quantmla.calibrate.content import calibrate_content
+from quantmla.calibrate.rope import calibrate_rope
+from quantmla.config import CacheConfig
+from quantmla.mla import absorb_queries, project_cache, project_queries, split_kv_b
+from quantmla.models.adapters import MLALayer, attention_module
+from quantmla.transforms import ContentTransform, RopeTransform, fold_content, fold_rope
+
+
+@dataclass
+class LayerReport:
+    layer: int
+    module: str
+    content_identity: float | None = None  # true objective (held-out) of the identity transform
+    content_best: float | None = None
+    rope_identity: float | None = None
+    rope_best: float | None = None
+    history: dict = field(default_factory=dict)  # path -> [(step, surrogate, true)]
+
+
+class _Stop(Exception):
+    pass
+
+
+def decoder_layers(model):
+    return model.model.layers
+
+
+@torch.no_grad()
+def _first_layer_inputs(model, input_ids):
+    """Hidden states and keyword arguments the model hands decoder layer 0 (then stops the forward)."""
+    got = {}
+
+    def pre(mod, args, kwargs):
+        got["hidden"] = args[0] if args else kwargs.pop("hidden_states")
+        got["kwargs"] = {k: v for k, v in kwargs.items() if k not in ("hidden_states",)}
+        raise _Stop
+
+    handle = decoder_layers(model)[0].register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        model(input_ids, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        handle.remove()
+    kwargs = got["kwargs"]
+    for k in ("cache", "past_key_values"):
+        kwargs[k] = None
+    kwargs["use_cache"] = False
+    return got["hidden"], kwargs
+
+
+def _query_positions(length: int, n: int) -> torch.Tensor:
+    """n query positions spread over the sequence, skipping the first eighth (too little context there)."""
+    return torch.linspace(length // 8, length - 1, min(n, length)).round().long().unique()
+
+
+def calibrate_attention(attn, layer: MLALayer, hidden, position_embeddings, cfg: CacheConfig, steps: int,
+                        seed: int, n_queries: int = 64) -> tuple[ContentTransform | None, RopeTransform | None,
+                                                                 LayerReport]:
+    """Fit both transforms of one attention from its inputs hidden [B, T, hidden] (does not fold them)."""
+    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    c, k_pe = project_cache(attn, layer, hidden, position_embeddings)
+    pos = _query_positions(hidden.shape[1], n_queries)
+    q_nope, q_pe = q_nope[:, :, pos], q_pe[:, :, pos]
+    w_uk, w_uv = split_kv_b(attn, layer)
+    report = LayerReport(layer.cache_idx, layer.module)
+    content = rope = None
+    if cfg.content.kind != "bf16":
+        gamma = attn.kv_a_layernorm.weight.float() * layer.latent_scale
+        with torch.enable_grad():
+            content, res = calibrate_content(absorb_queries(q_nope.float(), w_uk.float()), q_pe, c, k_pe, w_uv,
+                                             gamma, layer.softmax_scale, pos, cfg.content, steps, seed)
+        # The fold sets kv_a_layernorm.weight = sigma and the model multiplies by the latent scale after it.
+        content.scale = content.scale / layer.latent_scale
+        report.content_identity, report.content_best = res.start["identity"], res.best
+        report.history["content"] = res.history
+    if cfg.rope.kind != "bf16":
+        with torch.enable_grad():
+            rope, res = calibrate_rope(q_pe, k_pe, pos, layer.cache_pairs, cfg.rope, steps, seed)
+        report.rope_identity, report.rope_best = res.start["identity"], res.best
+        report.history["rope"] = res.history
+    return content, rope, report
+
+
+@torch.no_grad()
+def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: CacheConfig, steps: int = 100,
+                    seed: int = 0, progress: bool = True) -> list[LayerReport]:
+    """Calibrate and fold every MLA attention of `model` in place, one decoder layer at a time.
+
+    input_ids [N, T]: calibration sequences (half fit the transforms, half judge them).
+    """
+    cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
+    hidden, kwargs = _first_layer_inputs(model, input_ids)
+    prefix = layers[0].module.split(".layers.")[0] + ".layers."
+    reports = []
+    bar = tqdm(list(enumerate(decoder_layers(model))), desc="calibrating layers", disable=not progress)
+    for i, block in bar:
+        mine = [l for l in layers if l.module.startswith(f"{prefix}{i}.")]
+        seen = {}
+
+        def grab(mod, args, kw, idx):
+            seen[idx] = (kw.get("hidden_states", args[0] if args else None), kw.get("position_embeddings"))
+
+        hooks = [attention_module(model, l).register_forward_pre_hook(
+            lambda mod, args, kw, idx=l.cache_idx: grab(mod, args, kw, idx), with_kwargs=True) for l in mine]
+        try:
+            out = block(hidden, **kwargs)
+        finally:
+            for h in hooks:
+                h.remove()
+        for l in mine:
+            attn = attention_module(model, l)
+            h_in, pe = seen[l.cache_idx]
+            content, rope, report = calibrate_attention(attn, l, h_in, pe, cfg, steps, seed + l.cache_idx)
+            if content is not None:
+                fold_content(attn, l, content)
+            if rope is not None:
+                fold_rope(attn, l, rope)
+            reports.append(report)
+        hidden = out[0] if isinstance(out, tuple) else out
+    return reports

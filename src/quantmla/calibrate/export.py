@@ -1,0 +1,55 @@
+"""A calibrated checkpoint: the transforms fused into the weights, plus a `quantmla` section in config.json.
+
+The result is a plain Hugging Face checkpoint: `AutoModelForCausalLM.from_pretrained` loads it and, with a
+BF16 cache, computes the original model's function (the folds are exact). quantmla reads the section to
+configure its cache:
+    "quantmla": {"method": "quantmla", "content": "int4", "rope": "int4", "sink": 4, "recent": 128,
+                 "calibration": {"samples": .., "length": .., "steps": .., "seed": .., "source": ..}}
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from quantmla.config import CacheConfig
+
+SECTION = "quantmla"
+# Files besides config and weights that make a checkpoint directory usable on its own.
+_COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
+         "vocab.json", "merges.txt", "tokenizer.model")
+
+
+def save_calibrated(model, out_dir: str | Path, cfg: CacheConfig, calibration: dict, reports=(),
+                    source_dir: str | Path | None = None, dtype: torch.dtype | None = None) -> Path:
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    setattr(model.config, SECTION, {"method": "quantmla", **cfg.to_dict(), "calibration": calibration})
+    if dtype is not None:
+        model = model.to(dtype)
+    model.save_pretrained(out_dir)
+    if source_dir is not None:
+        for name in _COPY:
+            src = Path(source_dir) / name
+            if src.is_file() and not (out_dir / name).exists():
+                shutil.copy(src, out_dir / name)
+    (out_dir / "calibration_report.json").write_text(
+        json.dumps([asdict(r) for r in reports], indent=1) + "\n")
+    return out_dir
+
+
+def quantmla_section(model_dir: str | Path) -> dict | None:
+    """The checkpoint's quantmla section, or None for an uncalibrated checkpoint."""
+    path = Path(model_dir) / "config.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get(SECTION)
+
+
+def cache_config_of(model_dir: str | Path) -> CacheConfig | None:
+    section = quantmla_section(model_dir)
+    return CacheConfig.from_dict(section) if section else None
