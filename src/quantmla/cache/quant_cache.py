@@ -1,0 +1,267 @@
+"""QuantMLACache: a drop-in `transformers.Cache` that stores the MLA cache in quantized formats.
+
+MLA models in transformers cache two single-head tensors per layer and call
+``cache.update(c, k_pe, layer_idx, ...)`` with
+  c     the content latent, [batch, 1, tokens, kv_lora_rank]   (the `keys` slot)
+  k_pe  the post-RoPE key,   [batch, 1, tokens, rope_dim]       (the `values` slot)
+in the model's dtype (bf16 when serving, fp32 in exactness tests).
+
+Per layer and path, the token axis is split into three parts, in order:
+  sink    the first `CacheConfig.sink` tokens, kept as given (input dtype), never quantized;
+  body    every token that has left the recent window, quantized with the path's `QuantFormat`;
+  recent  the last `CacheConfig.recent` tokens, kept as given.
+A token is quantized as soon as it leaves the recent window, also within one long prefill call. The body is
+a `Packed` whose fields grow along dim -2 by concatenation (no per-token Python lists):
+  codes [batch, 1, n, packed width] uint8 (or the input dtype for the bf16 passthrough),
+  scale / zero [batch, 1, n, dim / group] (fp16 for integer formats, fp32 scale for fp8, absent for bf16
+  and per-tensor fp8). Its bytes per token are exactly `quant.formats.bytes_per_token(fmt, dim)`.
+
+`update` returns what the cache really holds, sink ++ dequantize(body) ++ recent in the input dtype, so even
+the prefill's own queries attend to the quantized history (transformers' QuantizedCache returns the
+unquantized prefill instead, which hides the damage from the first forward).
+
+Use: build one cache per batch of sequences, pass it to the model, and read it back from your own variable
+(the output names it `cache` in transformers 5.24, `past_key_values` before):
+    cache = QuantMLACache(CacheConfig("int4", "int4", sink=4, recent=128))
+    model.generate(ids, cache=cache, max_new_tokens=64)            # transformers 5.24: the current name
+    model.generate(ids, past_key_values=cache, max_new_tokens=64)  # the classic name: releases without
+                                                                    # `cache`; 5.24 accepts it with a
+                                                                    # deprecation warning
+The same keyword works for `model(ids, ...)`. Which name a model takes: `"cache" in
+inspect.signature(model.forward).parameters`. `crop` removes tokens from the end, but tokens quantized when
+they left the window stay quantized, so `is_croppable` is False and generation modes that roll the cache
+back (assisted / speculative decoding) are not supported.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from quantmla.config import CacheConfig, QuantFormat
+from quantmla.quant.formats import Packed, check_finite, dequantize, quantize
+
+
+def _map_packed(p: Packed, fn) -> Packed:
+    return Packed(*(None if t is None else fn(t) for t in (p.codes, p.scale, p.zero)))
+
+
+def _drop_last(t: torch.Tensor, n: int) -> torch.Tensor:
+    return t[..., : t.shape[-2] - n, :]
+
+
+def _cat_packed(a: Packed, b: Packed) -> Packed:
+    fields = zip((a.codes, a.scale, a.zero), (b.codes, b.scale, b.zero))
+    return Packed(*(None if x is None else torch.cat([x, y], dim=-2) for x, y in fields))
+
+
+@dataclass
+class PathStore:
+    """One path (content or RoPE) of one layer: sink [B,1,s,D] ++ body (Packed, n tokens) ++ recent [B,1,r,D]."""
+
+    fmt: QuantFormat
+    what: str  # "layer 3 content": named in every error
+    sink: torch.Tensor
+    body: Packed
+    recent: torch.Tensor
+
+    @classmethod
+    def empty(cls, like: torch.Tensor, fmt: QuantFormat, what: str) -> PathStore:
+        none = like[..., :0, :]
+        # Quantizing zero tokens gives a body of the right dtypes and trailing shapes to concatenate onto.
+        return cls(fmt, what, none.clone(), quantize(none.clone(), fmt, what), none.clone())
+
+    @property
+    def n_body(self) -> int:
+        return self.body.codes.shape[-2]
+
+    def __len__(self) -> int:
+        return self.sink.shape[-2] + self.n_body + self.recent.shape[-2]
+
+    def append(self, x: torch.Tensor, config: CacheConfig) -> torch.Tensor:
+        """Add tokens x [B,1,n,D]; quantize whatever leaves the window; return the whole history [B,1,T,D]."""
+        if self.fmt.kind != "bf16":
+            check_finite(x, self.what)  # fail at the call that brought the NaN, not when it leaves the window
+        take = min(x.shape[-2], config.sink - self.sink.shape[-2])
+        if take > 0:
+            self.sink = torch.cat([self.sink, x[..., :take, :]], dim=-2)
+            x = x[..., take:, :]
+        recent = torch.cat([self.recent, x], dim=-2)
+        leaving = recent.shape[-2] - config.recent
+        if leaving > 0:
+            self.body = _cat_packed(self.body, quantize(recent[..., :leaving, :], self.fmt, self.what))
+            recent = recent[..., leaving:, :].clone()  # clone: do not keep the larger buffer alive
+        self.recent = recent
+        body = dequantize(self.body, self.fmt, self.sink.dtype)
+        return torch.cat([self.sink, body, self.recent], dim=-2)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.sink, *self.body.tensors(), self.recent]
+
+    def map(self, fn) -> None:
+        """Apply fn to every stored tensor (batch selection, beam reordering, device moves)."""
+        self.sink, self.recent, self.body = fn(self.sink), fn(self.recent), _map_packed(self.body, fn)
+
+    def crop_last(self, n: int) -> None:
+        """Drop the last n tokens, from the recent window first, then the body, then the sink."""
+        cut = min(n, self.recent.shape[-2])
+        self.recent, n = _drop_last(self.recent, cut), n - cut
+        cut = min(n, self.n_body)
+        self.body, n = _map_packed(self.body, lambda t: _drop_last(t, cut)), n - cut
+        self.sink = _drop_last(self.sink, min(n, self.sink.shape[-2]))
+
+    def report(self) -> dict:
+        return {"format": str(self.fmt), "quantized_tokens": self.n_body,
+                "protected_tokens": self.sink.shape[-2] + self.recent.shape[-2],
+                "bytes": sum(t.numel() * t.element_size() for t in self.tensors())}
+
+
+class QuantMLALayer(DynamicLayer):
+    """One layer of QuantMLACache: a content PathStore (`keys` slot) and a RoPE PathStore (`values` slot).
+
+    Subclasses DynamicLayer for the parts that do not depend on storage (mask sizes, max length), which then
+    follow the installed transformers version. `keys`/`values` are left unset: the data lives in
+    `self.content` and `self.rope`.
+    """
+
+    is_croppable = False  # crop() works, but tokens quantized on leaving the window do not come back to BF16
+
+    def __init__(self, config: CacheConfig = CacheConfig(), layer_idx: int | None = None):
+        super().__init__()
+        self.config = config
+        self.layer_idx = layer_idx
+        self.content: PathStore | None = None
+        self.rope: PathStore | None = None
+
+    @property
+    def _name(self) -> str:
+        return "layer" if self.layer_idx is None else f"layer {self.layer_idx}"
+
+    def _check_shapes(self, c: torch.Tensor, k_pe: torch.Tensor) -> None:
+        for what, x in (("content latent (keys)", c), ("rope key (values)", k_pe)):
+            if not isinstance(x, torch.Tensor) or x.dim() != 4 or x.shape[1] != 1:
+                shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+                raise ValueError(f"QuantMLACache {self._name}: expected an MLA {what} of shape "
+                                 f"[batch, 1, tokens, dim], got {shape}; is this an MLA model?")
+        if c.shape[0] != k_pe.shape[0] or c.shape[2] != k_pe.shape[2]:
+            raise ValueError(f"QuantMLACache {self._name}: content {tuple(c.shape)} and rope {tuple(k_pe.shape)} "
+                             "disagree on batch or tokens")
+        if self.content is not None and (c.shape[-1], k_pe.shape[-1]) != (
+                self.content.sink.shape[-1], self.rope.sink.shape[-1]):
+            raise ValueError(f"QuantMLACache {self._name}: widths changed from ({self.content.sink.shape[-1]}, "
+                             f"{self.rope.sink.shape[-1]}) to ({c.shape[-1]}, {k_pe.shape[-1]})")
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self._check_shapes(key_states, value_states)
+        self.config.content.check_dim(key_states.shape[-1], f"{self._name} content")
+        self.config.rope.check_dim(value_states.shape[-1], f"{self._name} rope")
+        self.device = key_states.device
+        self.content = PathStore.empty(key_states, self.config.content, f"{self._name} content")
+        self.rope = PathStore.empty(value_states, self.config.rope, f"{self._name} rope")
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Store c [B,1,n,dc] and k_pe [B,1,n,dr]; return the held history of each, [B,1,T,*], input dtype."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self._check_shapes(key_states, value_states)
+        return self.content.append(key_states, self.config), self.rope.append(value_states, self.config)
+
+    def get_seq_length(self) -> int:
+        return len(self.content) if self.is_initialized else 0
+
+    def _paths(self) -> list[PathStore]:
+        return [self.content, self.rope] if self.is_initialized else []
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for p in self._paths() for t in p.tensors()]
+
+    def memory_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors())
+
+    def reset(self) -> None:
+        self.content = self.rope = None
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last -tokens_to_remove tokens (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove, as DynamicLayer.crop does")
+        for p in self._paths():
+            p.crop_last(-tokens_to_remove)
+
+    def _map(self, fn) -> None:
+        for p in self._paths():
+            p.map(fn)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # Exact: the body is quantized per token and per sequence, so rows can be gathered without a round trip.
+        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._map(lambda t: t[indices, ...])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def offload(self):
+        self._map(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        self._map(lambda t: t.to(self.device, non_blocking=True))
+
+
+class QuantMLACache(Cache):
+    """A transformers `Cache` for MLA models holding the content latent and the RoPE key in quantized formats.
+
+    config:     formats of the two paths and the protected tokens (`sink`, `recent`), see CacheConfig.
+    num_layers: number of `cache.update` layer indices the model uses (LongCat-Flash: two per decoder layer);
+                None adds layers lazily as they are first updated.
+
+    Layout, update semantics and how to pass it to `model(...)` / `generate(...)`: see the module docstring.
+    memory_bytes() counts every stored tensor (numel * element_size): packed codes, scales, zeros and the
+    protected tokens in their input dtype.
+    """
+
+    def __init__(self, config: CacheConfig = CacheConfig(), num_layers: int | None = None):
+        self.config = config
+        self.num_layers = num_layers
+        layers = [] if num_layers is None else [QuantMLALayer(config, i) for i in range(num_layers)]
+        super().__init__(layers=layers)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # Cache.update can only replicate a layer class without arguments; ours needs the config and its index.
+        if self.num_layers is not None and layer_idx >= self.num_layers:
+            raise ValueError(f"QuantMLACache was built for {self.num_layers} layers but got layer_idx={layer_idx} "
+                             "(LongCat-Flash uses two per decoder layer); pass num_layers=None to add them lazily")
+        while len(self.layers) <= layer_idx:
+            self.layers.append(QuantMLALayer(self.config, len(self.layers)))
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def memory_bytes(self) -> int:
+        """Total bytes really held by every layer: sum of numel * element_size of every stored tensor."""
+        return sum(layer.memory_bytes() for layer in self.layers)
+
+    def held_tokens(self) -> int:
+        """Tokens held per layer, over the whole batch (batch * sequence length)."""
+        first = next((layer for layer in self.layers if layer.is_initialized), None)
+        return 0 if first is None else first.content.sink.shape[0] * first.get_seq_length()
+
+    def bytes_per_token(self) -> float:
+        """memory_bytes / held tokens (batch * sequence) / layers: comparable to formats.bytes_per_token sums."""
+        layers = sum(layer.is_initialized for layer in self.layers)
+        tokens = self.held_tokens()
+        return self.memory_bytes() / tokens / layers if tokens and layers else 0.0
+
+    def memory_report(self) -> dict:
+        """Per path: format, quantized and protected tokens per layer, and bytes over all layers."""
+        live = [layer for layer in self.layers if layer.is_initialized]
+        report = {"layers": len(live), "tokens": live[0].get_seq_length() if live else 0,
+                  "bytes": self.memory_bytes(), "bytes_per_token": self.bytes_per_token()}
+        for path in ("content", "rope"):
+            parts = [getattr(layer, path).report() for layer in live]
+            if parts:
+                report[path] = {**parts[0], "bytes": sum(p["bytes"] for p in parts)}
+        return report
