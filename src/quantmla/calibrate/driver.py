@@ -62,8 +62,9 @@ def _first_layer_inputs(model, input_ids):
     finally:
         handle.remove()
     kwargs = got["kwargs"]
-    for k in ("cache", "past_key_values"):
-        kwargs[k] = None
+    for k in ("cache", "past_key_values"):  # the name depends on the transformers release
+        if k in kwargs:
+            kwargs[k] = None
     kwargs["use_cache"] = False
     return got["hidden"], kwargs
 
