@@ -1,0 +1,1 @@
+"""Evaluation helpers for quantmla (synthetic retrieval tasks, quality metrics)."""
