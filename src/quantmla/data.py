@@ -62,7 +62,7 @@ def encode(text: str, tokenizer, vocab_size: int) -> torch.Tensor:
     """Token ids [N]. Without a tokenizer, bytes modulo the vocabulary (good enough for random test models)."""
     if tokenizer is None:
         return torch.tensor(list(text.encode("utf-8")), dtype=torch.long) % vocab_size
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+    return torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.long)
 
 
 def token_windows(ids: torch.Tensor, length: int, count: int) -> torch.Tensor:

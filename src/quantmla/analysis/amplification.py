@@ -160,6 +160,7 @@ def plot(result: AmplificationResult, path, title: str = "") -> None:
     w = 0.4
     ax.bar([x - w / 2 for x in xs], [layer.content_out_nmse for layer in result.layers], w, label="noise in content c")
     ax.bar([x + w / 2 for x in xs], [layer.rope_out_nmse for layer in result.layers], w, label="noise in RoPE k_pe")
+    ax.set_xticks(xs)
     ax.set_xlabel("layer (cache index)")
     ax.set_ylabel(f"attention-output NMSE (cache NMSE {result.nmse:g})")
     ax.set_yscale("log")
