@@ -159,6 +159,63 @@ def cmd_calibrate(args) -> None:
     console.print(f"wrote calibrated checkpoint to {out} (weights in {str(dtype).replace('torch.', '')})")
 
 
+# ---------------------------------------------------------------- eval
+def _int_list(text: str, flag: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated integers, e.g. 512,1024, got {text!r}") from None
+
+
+def cmd_eval(args) -> None:
+    from quantmla.data import resolve_model_dir, tokenizer_for
+    from quantmla.eval.methods import METHODS, MethodArgs
+    from quantmla.eval.suite import EvalSettings, evaluate
+    from quantmla.models import load_model
+
+    # Check everything the user typed before the (slow) model load.
+    if args.method not in METHODS:
+        raise ValueError(f"unknown method {args.method!r}; known methods: {', '.join(METHODS)}")
+    method_args = MethodArgs(args.content, args.rope, args.sink, args.recent)
+    settings = EvalSettings(tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
+                            lengths=_int_list(args.lengths, "--lengths"), samples=args.samples,
+                            scored=args.scored, seed=args.seed, batch=args.batch)
+    model_dir = resolve_model_dir(args.model)
+    model = load_model(model_dir).to(args.device)
+    console.print(f"model: {model_dir}; method {args.method}; tasks {','.join(settings.tasks)}; "
+                  f"lengths {','.join(map(str, settings.lengths))}; {settings.samples} samples")
+    r = evaluate(model, tokenizer_for(model_dir), args.method, method_args, settings, text_path=args.data)
+    d = r.to_dict()
+
+    table = Table(title=f"{model_dir.name}: method {r.method} (cache bytes measured at {r.bytes_length} tokens)")
+    for col in ("method", "content", "rope", "sink", "recent", "bytes/token/layer", "% of BF16", "body B/token",
+                "ppl", "ppl BF16", "KL to BF16"):
+        table.add_column(col, justify="right")
+    num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    table.add_row(r.method, r.content, r.rope, str(r.sink), str(r.recent), f"{r.bytes_per_token:.1f}",
+                  f"{d['percent_of_bf16']:.1f}", str(r.bytes_per_token_body), num(r.ppl, ".4f"),
+                  num(r.ppl_bf16, ".4f"), num(r.kl, ".3e"))
+    console.print(table)
+    if r.niah:
+        needles = Table(title="Needle retrieval accuracy (greedy, exact match)")
+        needles.add_column("task")
+        for length in settings.lengths:
+            needles.add_column(str(length), justify="right")
+        for task, by_length in r.niah.items():
+            needles.add_row(task, *(f"{100 * by_length[n]:.0f}%" for n in settings.lengths))
+        console.print(needles)
+    console.print(f"took {r.seconds:.1f} s")
+    _write_json(args.json, {"model": str(model_dir), **d})
+
+
+def cmd_lm_eval(args) -> None:
+    import quantmla.eval.lm_eval_bridge  # noqa: F401  (registers the lm-eval model "quantmla")
+    from lm_eval.__main__ import cli_evaluate
+
+    sys.argv = ["lm-eval", *args.lm_eval_args]
+    cli_evaluate()
+
+
 # ---------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -214,6 +271,43 @@ def build_parser() -> argparse.ArgumentParser:
                    help="weight dtype of the written checkpoint (default: the source's)")
     s.add_argument("--out", required=True, help="output directory")
     s.set_defaults(func=cmd_calibrate)
+    s = sub.add_parser("eval", help="quality of a cache method: perplexity, KL to BF16, needle retrieval",
+                       description="Evaluate one KV-cache method: perplexity and next-token KL to BF16 on held-out "
+                                   "text (the context is prefilled through the quantized cache, then the scored "
+                                   "continuation is fed in chunks of 16 tokens against it), and RULER-style needle "
+                                   "retrieval (single, multikey, multivalue) at each length, greedy through "
+                                   "model.generate with the cache under test; the same seeds for every method. "
+                                   "Cache bytes per token are measured from the cache at the longest length.")
+    s.add_argument("model", nargs="?", help=MODEL_HELP)
+    s.add_argument("--method", default="bf16",
+                   help="bf16, fp8 (whole row e4m3, one scale), fp8-content (FlashMLA: content e4m3 per 128, "
+                        "RoPE BF16), rtn (both paths), rtn-content (RoPE BF16) (default bf16)")
+    s.add_argument("--content", help="content format for rtn/rtn-content: bf16, fp8, int8, int4, int2 [:group] "
+                                     "(default int4)")
+    s.add_argument("--rope", help="RoPE format for rtn, same spelling (default int4)")
+    s.add_argument("--sink", type=int, help="first tokens kept in BF16 (default: 4 for rtn methods, 0 for fp8)")
+    s.add_argument("--recent", type=int, help="most recent tokens kept in BF16 (default: 128 for rtn, 0 for fp8)")
+    s.add_argument("--tasks", default="ppl,kl,niah", help="comma-separated subset of ppl,kl,niah (default all)")
+    s.add_argument("--lengths", default="512,1024,2048",
+                   help="needle lengths (bytes of prompt + answer: tokens of the byte-level default model); "
+                        "ppl/kl windows are as many tokens as the longest (default 512,1024,2048)")
+    s.add_argument("--samples", type=int, default=8,
+                   help="ppl/kl windows, and needle samples per task and length (default 8)")
+    s.add_argument("--scored", type=int, default=256, help="scored tokens at the end of each ppl/kl window (default 256)")
+    s.add_argument("--batch", type=int, default=8, help="sequences per forward (default 8)")
+    s.add_argument("--data", help="held-out text file for ppl/kl and needle filler (default: the shipped heldout.txt)")
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--device", default="cpu", help="torch device to run the model on, e.g. cuda (default cpu)")
+    s.add_argument("--json", help="write the results as JSON here")
+    s.set_defaults(func=cmd_eval)
+    s = sub.add_parser("lm-eval", help="lm-evaluation-harness with a quantized cache (model 'quantmla')",
+                       description="lm-eval's own command line, with the model 'quantmla' registered: lm-eval's "
+                                   "Hugging Face model whose forwards and generations run through a fresh "
+                                   "QuantMLACache. Example: quantmla lm-eval run --model quantmla --device cpu "
+                                   "--tasks TASKS --model_args pretrained=DIR,method=rtn,content=int4,rope=int4. "
+                                   "Needs the eval extra (pip install -e '.[eval]').")
+    s.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval (e.g. run --model ...)")
+    s.set_defaults(func=cmd_lm_eval)
     return p
 
 

@@ -1,0 +1,144 @@
+"""Every cache method on one model (default: the shipped default model): bytes per token, perplexity, KL to
+BF16 and needle retrieval, with the same windows, seeds and needle samples for every method.
+
+Writes benchmarks/results/eval_methods.json (every number, the settings, the command) and eval_methods.md
+(the tables pasted into README's "Quality" section).
+
+    python benchmarks/eval_methods.py                        # all methods, defaults below
+    python benchmarks/eval_methods.py --methods bf16,rtn --samples 2 --lengths 512 --out /tmp/x
+    python benchmarks/eval_methods.py --device cuda --lengths 512,1024,2048 --samples 200 --scored 512 \
+        --batch 100                                          # the committed results: about a minute on an H200
+
+The defaults are sized for a CPU (a few minutes on an idle 2-core machine, 4 samples per cell).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from quantmla.data import resolve_model_dir, tokenizer_for
+from quantmla.eval.methods import METHODS, MethodArgs
+from quantmla.eval.suite import EvalSettings, evaluate, heldout_windows, reference_logprobs
+from quantmla.models import load_model
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def markdown(results: list[dict], meta: dict) -> str:
+    s = meta["settings"]
+    lengths = s["lengths"]
+    tasks = list(results[0]["niah"])
+    bf16 = next((r for r in results if r["method"] == "bf16"), results[0])
+    lines = [
+        "# Cache methods on the default model",
+        "",
+        f"Model `{meta['model']}`; {meta['date_utc']}; {meta['device']}, {meta['threads']} thread(s), "
+        f"{meta['seconds']:.0f} s in all.",
+        f"Command: `{meta['command']}`",
+        "",
+        f"- ppl / KL: {s['windows'][0]} windows of {s['windows'][1]} held-out tokens (`quantmla/data/heldout.txt`); "
+        f"the context is prefilled through the cache under test, then the last {s['scored']} tokens of each "
+        f"window are scored in chunks of {s['chunk']} against it. KL is the mean next-token KL(BF16 || method) "
+        "in nats on the same tokens.",
+        f"- Needles: {s['samples']} samples per task and length (prompt + answer bytes = tokens), filler from "
+        f"the held-out text, greedy `generate` with the cache under test, exact match; seed {s['seed']}, the "
+        "same samples for every method.",
+        f"- Bytes per token and layer: measured from the cache's `memory_bytes()` after {lengths[-1]} BF16 "
+        "tokens, protected (sink + recent) tokens included; \"body\" is one quantized token by the formula.",
+        "",
+        "## BF16 quality of the default model",
+        "",
+        f"Perplexity per byte on the scored held-out tokens: **{bf16['ppl_bf16']:.4f}** "
+        f"({s['windows'][0]} x {s['scored']} tokens).",
+        "",
+        "| task | " + " | ".join(str(n) for n in lengths) + " |",
+        "| --- |" + " --- |" * len(lengths),
+    ]
+    for task in tasks:
+        lines.append(f"| {task} | " + " | ".join(f"{100 * bf16['niah'][task][str(n)]:.1f} %" for n in lengths) + " |")
+    cols = [f"{t} {n}" for t in tasks for n in lengths]
+    lines += [
+        "",
+        "## Methods",
+        "",
+        "| method | content | rope | sink+recent | bytes/token | % of BF16 | body B/token | ppl | KL | "
+        + " | ".join(cols) + " |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(cols),
+    ]
+    for r in results:
+        acc = [f"{100 * r['niah'][t][str(n)]:.1f}" for t in tasks for n in lengths]
+        lines.append(f"| {r['method']} | {r['content']} | {r['rope']} | {r['sink']}+{r['recent']} | "
+                     f"{r['bytes_per_token']:.1f} | {r['percent_of_bf16']:.1f} | {r['bytes_per_token_body']} | "
+                     f"{r['ppl']:.4f} | {r['kl']:.2e} | " + " | ".join(acc) + " |")
+    lines += ["", "Needle columns: accuracy in % per task and length."]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="checkpoint directory (default: the shipped default model)")
+    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated (default: all)")
+    ap.add_argument("--lengths", default="512,2048", help="needle lengths; ppl/kl windows use the longest")
+    ap.add_argument("--samples", type=int, default=4, help="ppl/kl windows and needle samples per cell")
+    ap.add_argument("--scored", type=int, default=256, help="scored tokens per ppl/kl window")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--batch", type=int, default=8, help="sequences per forward")
+    ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
+    ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
+    ap.add_argument("--out", default=str(RESULTS / "eval_methods"), help="output path without extension")
+    ap.add_argument("--render", help="only rewrite the .md beside this results JSON (no evaluation)")
+    args = ap.parse_args(argv)
+    if args.render:
+        data = json.loads(Path(args.render).read_text())
+        Path(args.render).with_suffix(".md").write_text(markdown(data.pop("results"), data))
+        return 0
+    warnings.filterwarnings("ignore", message=".*past_key_values.*")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t0 = time.perf_counter()
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    for m in methods:
+        if m not in METHODS:
+            raise SystemExit(f"unknown method {m!r}; known: {', '.join(METHODS)}")
+    settings = EvalSettings(lengths=tuple(int(v) for v in args.lengths.split(",")), samples=args.samples,
+                            scored=args.scored, seed=args.seed, batch=args.batch)
+    model_dir = resolve_model_dir(args.model)
+    model = load_model(model_dir).to(args.device)
+    tokenizer = tokenizer_for(model_dir)
+    # One BF16 reference for every method's KL: the same windows, computed once.
+    windows = heldout_windows(tokenizer, model.config.vocab_size, max(settings.lengths), settings.samples)
+    reference = reference_logprobs(model, windows, settings)
+    results = []
+    for m in methods:
+        r = evaluate(model, tokenizer, m, MethodArgs(), settings, reference=reference).to_dict()
+        print(f"{m:12s} {r['content']:>7s}/{r['rope']:<7s} {r['bytes_per_token']:7.1f} B/token  ppl "
+              f"{r['ppl']:.4f}  kl {r['kl']:.3e}  niah {r['niah']}  ({r['seconds']:.0f} s)", flush=True)
+        results.append(r)
+    meta = {
+        "model": str(model_dir.relative_to(Path.cwd()) if model_dir.is_relative_to(Path.cwd()) else model_dir),
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "command": "python benchmarks/eval_methods.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "device": torch.cuda.get_device_name(args.device) if args.device.startswith("cuda")
+        else f"CPU ({platform.machine()})", "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "seconds": time.perf_counter() - t0, "settings": results[0]["settings"],
+    }
+    results = json.loads(json.dumps(results))  # as stored: needle lengths become string keys
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(results, meta))
+    print(f"wrote {out}.json and {out}.md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

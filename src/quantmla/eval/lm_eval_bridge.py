@@ -1,0 +1,79 @@
+"""lm-evaluation-harness bridge: evaluate any HF MLA model with any quantmla cache method through lm-eval.
+
+Importing this module registers the lm-eval model ``quantmla``: lm-eval's own HFLM, except that every
+forward (loglikelihood) and every `generate` call goes through a fresh `QuantMLACache`, whose `update`
+returns what it really holds, so the scored tokens attend to the quantized history.
+
+From the shell, `quantmla lm-eval` is lm-eval's own CLI with this model registered (device, batch size and
+the rest as lm-eval's flags; the cache method in --model_args):
+
+    quantmla lm-eval run --model quantmla --device cpu --tasks hellaswag \\
+        --model_args pretrained=PATH,method=rtn,content=int4,rope=int4,dtype=float32
+
+From Python:
+
+    import lm_eval, quantmla.eval.lm_eval_bridge  # noqa: F401 (registers "quantmla")
+    lm_eval.simple_evaluate(model="quantmla", model_args="method=rtn,content=int2,rope=int2", tasks=[...])
+
+model_args (besides HFLM's own: device, dtype, batch_size, max_length, ...):
+  pretrained   local checkpoint directory; default: quantmla's shipped default model
+  method       a name from quantmla.eval.methods.METHODS (bf16, fp8, fp8-content, rtn, rtn-content, ...)
+  content, rope, sink, recent   the method's options, as `quantmla eval` spells them
+  chunk        0 (default): one forward per loglikelihood call, as HFLM does. Tokens are quantized when they
+               leave the recent window at the end of that forward, so a scored continuation of L tokens sees
+               up to L - 1 of its oldest window tokens quantized early: nearly exact for short continuations
+               (multiple choice), pessimistic for whole documents (loglikelihood_rolling). N > 0 feeds each
+               call in chunks of N tokens through one cache (error <= N - 1 tokens of window per query,
+               slower by about length / N forwards).
+
+Generation batches are left-padded by lm-eval, so padding tokens of shorter prompts fill that row's sink
+slots and shift its window; use batch_size=1 for generation tasks when exactness matters.
+"""
+
+from __future__ import annotations
+
+import torch
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+
+from quantmla.cache.quant_cache import QuantMLACache
+from quantmla.data import default_model_dir
+from quantmla.eval.methods import MethodArgs, apply_method
+from quantmla.models.adapters import cache_kwargs
+
+
+@register_model("quantmla")
+class QuantMLALM(HFLM):
+    """HFLM whose forwards and generations run through QuantMLACache(cache_config)."""
+
+    def __init__(self, pretrained=None, method: str = "bf16", content: str | None = None, rope: str | None = None,
+                 sink: int | None = None, recent: int | None = None, chunk: int = 0, **kwargs):
+        if pretrained is None:
+            pretrained = str(default_model_dir())
+        if isinstance(pretrained, str):
+            kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        super().__init__(pretrained=pretrained, **kwargs)
+        if int(chunk) < 0:
+            raise ValueError(f"chunk must be >= 0, got {chunk}")
+        # lm-eval parses model_args values itself: "int4" stays a string, "4" becomes an int.
+        args = MethodArgs(None if content is None else str(content), None if rope is None else str(rope),
+                          None if sink is None else int(sink), None if recent is None else int(recent))
+        self._model, self.cache_config = apply_method(method, self._model, args)
+        self.method, self.chunk = method, int(chunk)
+
+    def _cache_kwargs(self) -> dict:
+        return cache_kwargs(self.model, QuantMLACache(self.cache_config))
+
+    def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
+        """Logits [batch, seq, vocab] of inps [batch, seq] with a fresh quantized cache (causal models only)."""
+        if attn_mask is not None or labels is not None:
+            raise ValueError("the quantmla lm-eval model supports decoder-only (causal) models only")
+        with torch.no_grad():
+            kw = self._cache_kwargs()
+            step = self.chunk or inps.shape[1]
+            return torch.cat([self.model(inps[:, a:a + step], use_cache=True, **kw).logits
+                              for a in range(0, inps.shape[1], step)], dim=1)
+
+    def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
+        return super()._model_generate(context, max_length, stop, **generation_kwargs, **self._cache_kwargs())
+

@@ -1,0 +1,93 @@
+"""Cache methods under evaluation: a name -> a small function giving (model, CacheConfig).
+
+A method decides the formats of the two cache paths, which tokens stay in BF16, and, for methods that fold
+transforms into the weights (later issues), the model to run. Adding a method is one function and one line
+in `METHODS`. A method function must not modify the model it is given (the evaluator keeps that one as the
+BF16 reference); one that changes weights returns a new model.
+
+Methods available now (DESIGN.md §3 baselines):
+  bf16         no quantization (the reference)
+  fp8          vLLM's plain FP8 KV cache: the whole 576-wide row in e4m3 with one fixed per-tensor scale
+               (`fp8:0` on both paths), no protected tokens
+  fp8-content  FlashMLA's 656-byte row: content e4m3 with an fp32 scale per 128 values, RoPE BF16,
+               no protected tokens
+  rtn          round-to-nearest on both paths (default int4/int4, group 64), sink 4 + recent 128 in BF16
+  rtn-content  round-to-nearest content, RoPE left BF16, same protected tokens
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from torch import nn
+
+from quantmla.config import CacheConfig, QuantFormat
+from quantmla.models.adapters import describe
+
+
+@dataclass(frozen=True)
+class MethodArgs:
+    """The user's choices; None leaves the method's default. Formats are spelled as on the command line."""
+
+    content: str | None = None
+    rope: str | None = None
+    sink: int | None = None
+    recent: int | None = None
+
+    def __post_init__(self):
+        for spec in (self.content, self.rope):
+            if spec is not None:
+                QuantFormat.parse(spec)  # fail early, with the format's own message
+        for name in ("sink", "recent"):
+            if (getattr(self, name) or 0) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+
+
+def _pick(value, default):
+    return default if value is None else value
+
+
+def _fixed_formats(name: str, args: MethodArgs, content: str, rope: str) -> None:
+    """Methods defined by their formats refuse other formats rather than silently ignoring them."""
+    for path, given, fixed in (("content", args.content, content), ("rope", args.rope, rope)):
+        if given is not None and QuantFormat.parse(given) != QuantFormat.parse(fixed):
+            raise ValueError(f"method {name!r} stores {path} as {fixed}; --{path} {given} is not allowed "
+                             f"(use method 'rtn' or 'rtn-content' to choose formats)")
+
+
+def _fixed(name: str, content: str, rope: str) -> Callable:
+    def method(model: nn.Module, args: MethodArgs) -> tuple[nn.Module, CacheConfig]:
+        _fixed_formats(name, args, content, rope)
+        return model, CacheConfig(content, rope, _pick(args.sink, 0), _pick(args.recent, 0))
+
+    return method
+
+
+def rtn(model: nn.Module, args: MethodArgs) -> tuple[nn.Module, CacheConfig]:
+    return model, CacheConfig(_pick(args.content, "int4"), _pick(args.rope, "int4"),
+                              _pick(args.sink, 4), _pick(args.recent, 128))
+
+
+def rtn_content(model: nn.Module, args: MethodArgs) -> tuple[nn.Module, CacheConfig]:
+    _fixed_formats("rtn-content", args, args.content or "int4", "bf16")
+    return model, CacheConfig(_pick(args.content, "int4"), "bf16", _pick(args.sink, 4), _pick(args.recent, 128))
+
+
+METHODS: dict[str, Callable[[nn.Module, MethodArgs], tuple[nn.Module, CacheConfig]]] = {
+    "bf16": _fixed("bf16", "bf16", "bf16"),
+    "fp8": _fixed("fp8", "fp8:0", "fp8:0"),
+    "fp8-content": _fixed("fp8-content", "fp8:128", "bf16"),
+    "rtn": rtn,
+    "rtn-content": rtn_content,
+}
+
+
+def apply_method(name: str, model: nn.Module, args: MethodArgs = MethodArgs()) -> tuple[nn.Module, CacheConfig]:
+    """(model to run, cache config fitted to the model's dims). Raises ValueError on an unknown method or a
+    format that does not fit the model (e.g. a group that does not divide the path)."""
+    if name not in METHODS:
+        raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
+    model, config = METHODS[name](model, args)
+    layer = describe(model)[0]
+    return model, config.fit(layer.kv_lora_rank, layer.rope_dim)

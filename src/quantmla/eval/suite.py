@@ -1,0 +1,150 @@
+"""The evaluation suite: one cache method on one model -> bytes per token, perplexity, KL to BF16, needles.
+
+    model = load_model(model_dir)
+    result = evaluate(model, tokenizer_for(model_dir), "rtn", MethodArgs(content="int4", rope="int4"))
+    result.to_dict()   # {"method", "content", "rope", "bytes_per_token", "ppl", "kl", "niah": {...}, ...}
+
+Tasks: "ppl" and "kl" share one pass (windows of the longest length from the held-out text, the last
+`scored` tokens of each scored; see `perplexity`), "niah" is `retrieval.niah` at every length. The BF16
+reference for the KL runs the unmodified model with a BF16 cache over the same windows; pass `reference`
+to reuse it across methods.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from quantmla.cache.quant_cache import QuantMLACache
+from quantmla.config import CacheConfig
+from quantmla.data import encode, read_text, token_windows
+from quantmla.eval import perplexity, retrieval
+from quantmla.eval.methods import MethodArgs, apply_method
+from quantmla.models.adapters import describe
+from quantmla.quant.formats import bytes_per_token
+
+TASK_NAMES = ("ppl", "kl", "niah")
+
+
+@dataclass(frozen=True)
+class EvalSettings:
+    """What to measure. lengths: needle lengths (bytes of prompt + answer); ppl/kl windows use the longest.
+
+    samples: ppl/kl windows, and needle samples per task and length. scored: continuation tokens scored per
+    window. chunk: continuation tokens per forward (see `perplexity`).
+    """
+
+    tasks: tuple[str, ...] = TASK_NAMES
+    lengths: tuple[int, ...] = (512, 1024, 2048)
+    samples: int = 8
+    scored: int = 256
+    chunk: int = perplexity.CHUNK
+    seed: int = 0
+    batch: int = 8
+    progress: bool = True
+
+    def __post_init__(self):
+        bad = [t for t in self.tasks if t not in TASK_NAMES]
+        if bad or not self.tasks:
+            raise ValueError(f"unknown task(s) {', '.join(bad) or '(none given)'}; known: {', '.join(TASK_NAMES)}")
+        if not self.lengths or min(self.lengths) < 64:
+            raise ValueError(f"lengths must be >= 64 tokens, got {list(self.lengths)}")
+        if self.samples < 1 or self.batch < 1:
+            raise ValueError(f"samples and batch must be >= 1, got {self.samples}, {self.batch}")
+        if {"ppl", "kl"} & set(self.tasks) and not 0 < self.scored < max(self.lengths):
+            raise ValueError(f"scored tokens (--scored) must be in [1, {max(self.lengths) - 1}] for windows of "
+                             f"{max(self.lengths)} tokens, got {self.scored}")
+
+
+@dataclass
+class EvalResult:
+    method: str
+    content: str
+    rope: str
+    sink: int
+    recent: int
+    bytes_per_token: float  # measured, per layer, at `bytes_length` tokens (protected tokens included)
+    bytes_per_token_body: int  # formula: one quantized token, content + rope, per layer
+    bytes_per_token_bf16: int
+    bytes_length: int
+    ppl: float | None = None
+    ppl_bf16: float | None = None
+    kl: float | None = None
+    niah: dict[str, dict[int, float]] = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["percent_of_bf16"] = 100 * self.bytes_per_token / self.bytes_per_token_bf16
+        return d
+
+
+def measure_bytes_per_token(config: CacheConfig, kv_lora_rank: int, rope_dim: int, length: int) -> float:
+    """Bytes per token per layer that QuantMLACache really holds after `length` BF16 tokens (the serving
+    dtype; the evaluation itself may run in fp32), read from memory_bytes(): sink + body + recent."""
+    cache = QuantMLACache(config)
+    cache.update(torch.randn(1, 1, length, kv_lora_rank, dtype=torch.bfloat16),
+                 torch.randn(1, 1, length, rope_dim, dtype=torch.bfloat16), 0)
+    return cache.memory_bytes() / length
+
+
+def check_lengths(model, settings: EvalSettings) -> None:
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    # Needle prompts gain a BOS token and the answer is generated after them (<= 2 x 6-digit values + slack).
+    if max_pos and max(settings.lengths) + 32 > max_pos:
+        raise ValueError(f"length {max(settings.lengths)} (+ up to 32 tokens of BOS and answer) exceeds the "
+                         f"model's max_position_embeddings {max_pos}")
+
+
+def heldout_windows(tokenizer, vocab_size: int, length: int, count: int, path=None) -> torch.Tensor:
+    """Up to `count` non-overlapping windows [N, length] of the held-out text (shipped heldout.txt)."""
+    ids = encode(read_text(path, "heldout.txt"), tokenizer, vocab_size)
+    return token_windows(ids, length, count)
+
+
+def reference_logprobs(model, windows: torch.Tensor, settings: EvalSettings) -> torch.Tensor:
+    """The log-probabilities the KL is measured against: [N, scored, vocab], with the `bf16` method's cache
+    (so that method's KL is 0 by construction, whatever a BF16 cache does)."""
+    _, config = apply_method("bf16", model)
+    return perplexity.score_windows(model, windows, settings.scored, config, settings.chunk,
+                                    settings.batch, "ppl/kl bf16 reference", settings.progress)
+
+
+def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
+             settings: EvalSettings = EvalSettings(), reference: torch.Tensor | None = None,
+             text_path=None) -> EvalResult:
+    """Run `settings.tasks` for one method. `model` is the unmodified (reference) model, eval mode."""
+    t0 = time.perf_counter()
+    test_model, config = apply_method(method, model, args)
+    check_lengths(model, settings)
+    layer = describe(model)[0]
+    dc, dr = layer.kv_lora_rank, layer.rope_dim
+    longest = max(settings.lengths)
+    result = EvalResult(
+        method=method, content=str(config.content), rope=str(config.rope), sink=config.sink, recent=config.recent,
+        bytes_per_token=measure_bytes_per_token(config, dc, dr, longest),
+        bytes_per_token_body=bytes_per_token(config.content, dc) + bytes_per_token(config.rope, dr),
+        bytes_per_token_bf16=2 * (dc + dr), bytes_length=longest,
+        settings={**asdict(settings), "cache": config.to_dict()},
+    )
+    if "ppl" in settings.tasks or "kl" in settings.tasks:
+        windows = heldout_windows(tokenizer, model.config.vocab_size, longest, settings.samples, text_path)
+        if reference is None:
+            reference = reference_logprobs(model, windows, settings)
+        logprobs = perplexity.score_windows(test_model, windows, settings.scored, config, settings.chunk,
+                                            settings.batch, f"ppl/kl {method}", settings.progress)
+        stats = perplexity.ppl_kl(logprobs, reference, windows)
+        result.ppl, result.ppl_bf16, result.kl = stats["ppl"], stats["ppl_bf16"], stats["kl"]
+        result.settings["windows"] = list(windows.shape)
+    if "niah" in settings.tasks:
+        codec = retrieval.Codec(tokenizer, model.config.vocab_size)
+        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
+        filler = read_text(text_path, "heldout.txt")  # held-out text, as the trainer's own needle evaluation
+        result.niah = retrieval.niah(retrieval.cache_generate(test_model, config, pad), codec,
+                                     list(settings.lengths), settings.samples, settings.seed, filler,
+                                     settings.batch, settings.progress)
+    result.seconds = time.perf_counter() - t0
+    return result

@@ -1,0 +1,161 @@
+"""The evaluation suite on tiny random models: metrics, quantized-history scoring, needle plumbing, CLI."""
+
+import json
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quantmla.cli import main
+from quantmla.config import CacheConfig, QuantFormat
+from quantmla.eval import retrieval
+from quantmla.eval.methods import METHODS, MethodArgs, apply_method
+from quantmla.eval.needles import TASKS
+from quantmla.eval.perplexity import ppl_kl, score_window
+from quantmla.eval.suite import EvalSettings, evaluate, measure_bytes_per_token
+from quantmla.models.tiny import save_tiny_model, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("deepseek_v3")
+
+
+@pytest.fixture(scope="module")
+def windows():
+    return torch.randint(0, 128, (2, 96), generator=torch.Generator().manual_seed(1))
+
+
+def test_bf16_scoring_equals_a_plain_forward(model, windows):
+    scored = 40  # prefill's last logit + 39 tokens in chunks of 16, 16, 7
+    _, cfg = apply_method("bf16", model)
+    lp = score_window(model, windows, scored, cfg)
+    with torch.no_grad():
+        plain = F.log_softmax(model(windows).logits.float(), -1)[:, -scored - 1:-1]
+    torch.testing.assert_close(lp, plain, atol=1e-5, rtol=1e-5)
+    stats = ppl_kl(lp, plain, windows)
+    targets = windows[:, -scored:]
+    expected = math.exp(-plain.gather(-1, targets.unsqueeze(-1)).double().mean().item())
+    assert stats["ppl"] == pytest.approx(expected, rel=1e-5)
+    assert stats["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_bf16_method_has_zero_kl_and_int2_does_not(model):
+    settings = EvalSettings(tasks=("ppl", "kl"), lengths=(96,), samples=2, scored=32, progress=False)
+    bf16 = evaluate(model, None, "bf16", settings=settings)
+    assert bf16.kl == 0.0 and bf16.ppl == bf16.ppl_bf16
+    int2 = evaluate(model, None, "rtn", MethodArgs("int2", "int2", sink=0, recent=16), settings)
+    assert int2.kl > 1e-4 and int2.ppl != int2.ppl_bf16 and int2.ppl_bf16 == bf16.ppl_bf16
+
+
+def test_scored_tokens_attend_to_quantized_history(model, windows):
+    """A short scored continuation (one prefill logit + one chunk of 7) changes under a destructive cache
+    whose protected window is shorter than the context, and does not when the window covers everything."""
+    ref = score_window(model, windows, 8, CacheConfig.bf16())
+    hidden = score_window(model, windows, 8, CacheConfig("int2", QuantFormat("int2", 16), sink=0, recent=16).fit(32, 16))
+    assert (hidden - ref).abs().amax() > 1e-2
+    # The first scored token comes from the prefill's last logit: it too sees the quantized context.
+    assert (hidden[:, 0] - ref[:, 0]).abs().amax() > 1e-2
+    covered = score_window(model, windows, 8, CacheConfig("int2", QuantFormat("int2", 16), sink=0, recent=96).fit(32, 16))
+    torch.testing.assert_close(covered, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_methods_table():
+    expect = {"bf16": ("bf16", "bf16", 0, 0), "fp8": ("fp8:0", "fp8:0", 0, 0),
+              "fp8-content": ("fp8", "bf16", 0, 0), "rtn": ("int4", "int4", 4, 128),
+              "rtn-content": ("int4", "bf16", 4, 128)}
+    assert set(expect) <= set(METHODS)
+    for name, (content, rope, sink, recent) in expect.items():
+        _, cfg = METHODS[name](None, MethodArgs())  # unfitted: the real 512/64 widths
+        assert (str(cfg.content), str(cfg.rope), cfg.sink, cfg.recent) == (content, rope, sink, recent), name
+    assert QuantFormat.parse("fp8").group == 128  # FlashMLA: one scale per 128 content values
+    _, cfg = METHODS["rtn"](None, MethodArgs("int2:32", "int8", 0, 64))
+    assert (str(cfg.content), str(cfg.rope), cfg.sink, cfg.recent) == ("int2:32", "int8", 0, 64)
+    with pytest.raises(ValueError, match="stores rope as bf16"):
+        METHODS["rtn-content"](None, MethodArgs(rope="int4"))
+    with pytest.raises(ValueError, match="known methods: bf16, fp8"):
+        apply_method("nope", None)
+
+
+def test_bytes_per_token_is_measured():
+    # 1152 B per token in BF16; INT4/INT4 body 256+32 + 4*(8+1) = 324 B; protected tokens at BF16.
+    assert measure_bytes_per_token(CacheConfig.bf16(), 512, 64, 256) == 1152
+    assert measure_bytes_per_token(CacheConfig("fp8:0", "fp8:0", 0, 0), 512, 64, 256) == 576
+    assert measure_bytes_per_token(CacheConfig("fp8", "bf16", 0, 0), 512, 64, 256) == 656
+    rtn = measure_bytes_per_token(CacheConfig("int4", "int4", 4, 128), 512, 64, 1024)
+    assert rtn == pytest.approx((132 * 1152 + 892 * 324) / 1024)
+
+
+def test_niah_exact_match_with_fake_generate():
+    codec = retrieval.Codec(None, 256)
+    samples = retrieval.samples_for("multivalue", 200, 3, seed=5)
+    assert samples == retrieval.samples_for("multivalue", 200, 3, seed=5)  # the same prompts for every method
+    assert samples != retrieval.samples_for("multivalue", 200, 3, seed=6)
+    answers = {codec.decode(codec.encode_prompt(s.prompt)): s.answer for s in samples}
+
+    def fake(reply):
+        def generate(ids, max_new):
+            rows = [reply(answers[codec.decode(row.tolist())]) for row in ids]
+            out = [codec.encode_answer(r)[:max_new] for r in rows]
+            width = max(map(len, out))
+            return torch.tensor([o + [0] * (width - len(o)) for o in out])  # 0: padding after a short reply
+        return generate
+
+    assert retrieval.accuracy(fake(lambda a: a), codec, samples) == 1.0
+    assert retrieval.accuracy(fake(lambda a: a.rstrip("\n")), codec, samples) == 1.0  # EOS/pad, no newline
+    assert retrieval.accuracy(fake(lambda a: a.rstrip("\n") + "7\n"), codec, samples) == 0.0  # runs on
+    assert retrieval.accuracy(fake(lambda a: a[1:]), codec, samples) == 0.0
+    first_wrong = lambda a: a if a != samples[0].answer else "1" + a  # noqa: E731
+    assert retrieval.accuracy(fake(first_wrong), codec, samples) == pytest.approx(2 / 3)
+    assert retrieval.is_correct("123 456\nQ: more", "123 456\n") and not retrieval.is_correct(" 123", "123\n")
+
+
+def test_cache_generate_is_greedy_generate(model):
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(2))
+    _, cfg = apply_method("bf16", model)
+    new = retrieval.cache_generate(model, cfg)(ids, 5)
+    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
+    assert torch.equal(new, plain[:, 40:])
+    settings = EvalSettings(tasks=("niah",), lengths=(96, 128), samples=2, progress=False)
+    r = evaluate(model, None, "rtn", MethodArgs(recent=32), settings)
+    assert set(r.niah) == set(TASKS) and all(set(v) == {96, 128} for v in r.niah.values())
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    return save_tiny_model("deepseek_v3", tmp_path_factory.mktemp("tiny") / "model")
+
+
+def test_cli_json(tiny_dir, tmp_path):
+    out = tmp_path / "eval.json"
+    rc = main(["eval", str(tiny_dir), "--method", "rtn", "--content", "int2", "--recent", "16", "--lengths",
+               "80,96", "--samples", "1", "--scored", "16", "--json", str(out)])
+    assert rc == 0
+    d = json.loads(out.read_text())
+    for key in ("method", "content", "rope", "bytes_per_token", "ppl", "kl", "niah", "percent_of_bf16"):
+        assert key in d
+    assert (d["method"], d["content"], d["rope"]) == ("rtn", "int2:32", "int4:16")
+    assert d["kl"] > 0 and d["bytes_per_token"] < d["bytes_per_token_bf16"]
+    assert set(d["niah"]) == set(TASKS) and set(d["niah"]["single"]) == {"80", "96"}
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "nope"], "known methods: bf16, fp8, fp8-content, rtn, rtn-content"),
+    (["--method", "rtn", "--content", "int3"], "unknown cache format 'int3'"),
+    (["--method", "rtn", "--rope", "int4:5"], "group 5 does not divide"),
+    (["--method", "fp8", "--content", "int4"], "method 'fp8' stores content as fp8:0"),
+    (["--lengths", "96,4096"], "exceeds the model's max_position_embeddings 512"),
+    (["--lengths", "96,x"], "--lengths takes comma-separated integers"),
+    (["--tasks", "ppl,bleu"], "unknown task(s) bleu"),
+])
+def test_cli_errors(tiny_dir, capsys, argv, message):
+    assert main(["eval", str(tiny_dir), *argv, "--samples", "1"]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cli_missing_model(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "nowhere")]) == 2
+    assert "model directory not found" in capsys.readouterr().err

@@ -1,0 +1,127 @@
+"""The lm-eval bridge, offline: a tiny MLA model with a byte tokenizer, and the local tasks in tests/data."""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ["HF_DATASETS_OFFLINE"] = "1"  # no hub: the tasks' data are the jsonl files in tests/data
+os.environ["HF_HUB_OFFLINE"] = "1"
+lm_eval = pytest.importorskip("lm_eval")
+pytest.importorskip("accelerate")  # lm-eval's HFLM needs it
+
+from lm_eval.api.instance import Instance  # noqa: E402
+from lm_eval.models.huggingface import HFLM  # noqa: E402
+from lm_eval.tasks import TaskManager  # noqa: E402
+
+from quantmla.cache.quant_cache import QuantMLACache  # noqa: E402
+from quantmla.data import DEFAULT_MODEL_DIR  # noqa: E402
+from quantmla.eval.lm_eval_bridge import QuantMLALM  # noqa: E402
+from quantmla.models.tiny import tiny_model  # noqa: E402
+
+TASKS_DIR = Path(__file__).parent / "data" / "lm_eval_tasks"
+TASKS = ["quantmla_code_mc", "quantmla_needles"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def byte_tokenizer():
+    """256 byte tokens + <bos> (256, prepended), <eos>, <pad>: the default model's scheme, in miniature."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet(), key=ord))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<bos>", "<eos>", "<pad>"])
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", 256)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>")
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model("deepseek_v3", vocab_size=260), byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tiny, tmp_path_factory):
+    path = tmp_path_factory.mktemp("lm_eval") / "model"
+    tiny[0].save_pretrained(path)
+    tiny[1].save_pretrained(path)
+    return path
+
+
+REQUESTS = [("def add(a, b):\n    return a", " + b"), ("x = 1\n" * 40, "y = 2\n"), ("import numpy as", " np")]
+
+
+def loglikelihoods(lm) -> list[float]:
+    reqs = [Instance("loglikelihood", {}, r, i) for i, r in enumerate(REQUESTS)]
+    return [ll for ll, _ in lm.loglikelihood(reqs, disable_tqdm=True)]
+
+
+def test_bf16_matches_plain_hflm_and_int2_changes_it(tiny):
+    model, tok = tiny
+    plain = loglikelihoods(HFLM(pretrained=model, tokenizer=tok, batch_size=2))
+    bf16 = loglikelihoods(QuantMLALM(pretrained=model, tokenizer=tok, batch_size=2, method="bf16"))
+    chunked = loglikelihoods(QuantMLALM(pretrained=model, tokenizer=tok, batch_size=2, method="bf16", chunk=7))
+    assert bf16 == pytest.approx(plain, abs=1e-4)
+    assert chunked == pytest.approx(plain, abs=1e-4)
+    int2 = QuantMLALM(pretrained=model, tokenizer=tok, batch_size=2, method="rtn", content="int2", rope="int2",
+                      sink=0, recent=8)
+    assert str(int2.cache_config.content) == "int2:32"
+    changed = loglikelihoods(int2)
+    assert max(abs(a - b) for a, b in zip(changed, plain)) > 1e-3
+
+
+def test_generation_runs_through_a_fresh_quantized_cache(tiny, monkeypatch):
+    model, tok = tiny
+    lm = QuantMLALM(pretrained=model, tokenizer=tok, method="rtn", content="int2", recent=16)
+    seen = []
+    real = model.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("cache", kwargs.get("past_key_values")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    context = torch.tensor([tok("some text\nQ: ")["input_ids"]])
+    for _ in range(2):
+        lm._model_generate(context, context.shape[1] + 3, stop=["\n"])
+    assert all(isinstance(c, QuantMLACache) and c.config == lm.cache_config for c in seen)
+    assert len(seen) == 2 and seen[0] is not seen[1]
+
+
+def test_local_tasks_through_the_registered_model(tiny_dir):
+    out = lm_eval.simple_evaluate(
+        model="quantmla", model_args=f"pretrained={tiny_dir},method=rtn,content=int4,rope=int4,recent=32,"
+                                     "device=cpu,dtype=float32",
+        tasks=TASKS, task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False))
+    assert 0 <= out["results"]["quantmla_code_mc"]["acc,none"] <= 1
+    assert 0 <= out["results"]["quantmla_needles"]["exact_match,none"] <= 1
+    assert out["results"]["quantmla_code_mc"]["sample_len"] == 6
+
+
+@pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "config.json").is_file(), reason="the default model is not shipped yet")
+def test_default_model_retrieves_needles_through_lm_eval():
+    out = lm_eval.simple_evaluate(
+        model="quantmla", model_args="method=rtn,content=int4,rope=int4,device=cpu,dtype=float32",
+        tasks=TASKS, task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False))
+    assert out["results"]["quantmla_needles"]["exact_match,none"] >= 0.75
+    assert out["results"]["quantmla_code_mc"]["acc,none"] >= 0.5
+
+
+def test_cli_hands_its_arguments_to_lm_eval(monkeypatch):
+    import lm_eval.__main__
+    from lm_eval.api.registry import get_model
+
+    from quantmla.cli import main
+
+    seen = []
+    monkeypatch.setattr(sys, "argv", sys.argv[:])  # the command rewrites sys.argv for lm-eval
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", lambda: seen.append(list(sys.argv)))
+    argv = ["run", "--model", "quantmla", "--model_args", "method=rtn,content=int2", "--tasks", "x"]
+    assert main(["lm-eval", *argv]) == 0
+    assert seen == [["lm-eval", *argv]] and get_model("quantmla") is QuantMLALM
