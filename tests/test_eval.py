@@ -150,6 +150,7 @@ def test_cli_json(tiny_dir, tmp_path):
     (["--lengths", "96,4096"], "exceeds the model's max_position_embeddings 512"),
     (["--lengths", "96,x"], "--lengths takes comma-separated integers"),
     (["--tasks", "ppl,bleu"], "unknown task(s) bleu"),
+    (["--lengths", "96", "--scored", "16", "--data", "/nonexistent/heldout.txt"], "text file not found"),
 ])
 def test_cli_errors(tiny_dir, capsys, argv, message):
     assert main(["eval", str(tiny_dir), *argv, "--samples", "1"]) == 2

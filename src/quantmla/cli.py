@@ -180,6 +180,8 @@ def cmd_eval(args) -> None:
     settings = EvalSettings(tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
                             lengths=_int_list(args.lengths, "--lengths"), samples=args.samples,
                             scored=args.scored, seed=args.seed, batch=args.batch)
+    if args.data and not Path(args.data).is_file():
+        raise FileNotFoundError(f"text file not found: {args.data}")
     model_dir = resolve_model_dir(args.model)
     model = load_model(model_dir).to(args.device)
     console.print(f"model: {model_dir}; method {args.method}; tasks {','.join(settings.tasks)}; "
