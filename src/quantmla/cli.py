@@ -34,18 +34,17 @@ def cmd_info(args) -> None:
     model_dir = resolve_model_dir(args.model)
     layers = describe(model_dir)
     cfg = CacheConfig(args.content, args.rope).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
-    table = Table(title=f"MLA layers of {model_dir}  ({layers[0].model_type}, {len(layers)} attentions)")
-    for col in ("idx", "module", "heads", "dc/rope/nope/v", "q path", "RoPE pairs: weights -> cache", "scalars"):
+    table = Table(title=f"MLA layers of {model_dir.name} ({layers[0].model_type}, {len(layers)} attentions)")
+    for col in ("idx", "module", "heads", "dc/rope/nope/v", "q path", "rope style", "pair j=1: weights -> cache",
+                "latent scale", "softmax scale"):
         table.add_column(col)
     rows = []
     for layer in layers:
         wp, cp = layer.weight_pairs, layer.cache_pairs
         table.add_row(str(layer.cache_idx), layer.module, str(layer.num_heads),
                       f"{layer.kv_lora_rank}/{layer.rope_dim}/{layer.nope_dim}/{layer.v_dim}", layer.q_path,
-                      f"{layer.rope_style}: " + " ".join(f"({a},{b})" for a, b in wp[:2]) + " .. -> "
-                      + " ".join(f"({a},{b})" for a, b in cp[:2]) + " ..",
-                      f"latent x{layer.latent_scale:.3g} q x{layer.query_scale:.3g} "
-                      f"softmax {layer.softmax_scale:.3g} mscale {layer.mscale:.3g}")
+                      layer.rope_style, f"({wp[1][0]},{wp[1][1]}) -> ({cp[1][0]},{cp[1][1]})",
+                      f"{layer.latent_scale:.4g}", f"{layer.softmax_scale:.4g}")
         bf16 = 2 * (layer.kv_lora_rank + layer.rope_dim)
         quant = bytes_per_token(cfg.content, layer.kv_lora_rank) + bytes_per_token(cfg.rope, layer.rope_dim)
         rows.append({**layer.__dict__, "weight_pairs": wp, "cache_pairs": cp, "bytes_bf16": bf16,
