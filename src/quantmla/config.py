@@ -7,24 +7,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-FORMAT_KINDS = ("bf16", "fp8", "int8", "int4", "int2")
-BITS = {"bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2}
-# Default channels per scale group. fp8 uses 128 like FlashMLA's 656-byte row; the integer formats 64.
-DEFAULT_GROUP = {"bf16": 0, "fp8": 128, "int8": 64, "int4": 64, "int2": 64}
+FORMAT_KINDS = ("bf16", "fp8", "int8", "int4", "int2", "fp4", "lm4", "lm3", "lm2")
+BITS = {"bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2, "fp4": 4, "lm4": 4, "lm3": 3, "lm2": 2}
+# Default channels per scale group. fp8 uses 128 like FlashMLA's 656-byte row; the integer formats 64;
+# fp4 16 as NVFP4's blocks; the codebook formats 0 = one norm per token over the whole path (TurboQuant).
+DEFAULT_GROUP = {"bf16": 0, "fp8": 128, "int8": 64, "int4": 64, "int2": 64, "fp4": 16, "lm4": 0, "lm3": 0,
+                 "lm2": 0}
+CODEBOOK_KINDS = ("lm4", "lm3", "lm2")
+# Tokens per block of a token-axis (KIVI-style) format spelled without a count, e.g. `int4:t`.
+DEFAULT_TOKEN_GROUP = 32
+ROPE_ROTATIONS = ("", "hadamard")
 
 
 @dataclass(frozen=True)
 class QuantFormat:
     """How one cache path (content or RoPE) is stored per token.
 
-    kind:  bf16 (passthrough), fp8 (e4m3 with fp32 scales), int8 / int4 / int2 (asymmetric, fp16 scale + zero).
+    kind:  bf16 (passthrough), fp8 (e4m3 with fp32 scales), int8 / int4 / int2 (asymmetric, fp16 scale + zero),
+           fp4 (e2m1 codes, an e4m3 scale per block: NVFP4-style), lm4 / lm3 / lm2 (Lloyd-Max codebook for a
+           Gaussian, fp16 rms per group: TurboQuant-style, meant for rotated vectors).
     group: channels that share one scale (and zero). 0 means one scale for the whole tensor, which only fp8
-           supports: a fixed per-tensor scale of 1.0, as vLLM's default FP8 KV cache does.
-    Spelled on the command line as ``int4`` or ``int4:32`` (kind:group).
+           supports: a fixed per-tensor scale of 1.0, as vLLM's default FP8 KV cache does; for the codebook
+           kinds 0 means one norm per token over the whole path.
+    axis:  "channel" (groups of channels within a token) or "token" (integer kinds only, KIVI-style: each
+           channel is grouped over `group` consecutive tokens, one scale + zero per channel and block).
+    Spelled on the command line as ``int4`` or ``int4:32`` (kind:group), ``int4:t64`` for the token axis.
     """
 
     kind: str
     group: int = -1  # -1: the kind's default
+    axis: str = "channel"
 
     def __post_init__(self):
         if self.kind not in FORMAT_KINDS:
@@ -35,8 +47,12 @@ class QuantFormat:
             raise ValueError(f"group size must be >= 0, got {self.group}")
         if self.kind == "bf16" and self.group != 0:
             object.__setattr__(self, "group", 0)
-        if self.kind.startswith("int") and self.group == 0:
+        if (self.kind.startswith("int") or self.kind == "fp4") and self.group == 0:
             raise ValueError(f"{self.kind} needs a group size > 0 (channels per scale)")
+        if self.axis not in ("channel", "token"):
+            raise ValueError(f"axis must be 'channel' or 'token', got {self.axis!r}")
+        if self.axis == "token" and not self.is_integer:
+            raise ValueError(f"{self.kind} cannot group along tokens; only int8/int4/int2 can (e.g. int4:t64)")
 
     @property
     def bits(self) -> int:
@@ -51,22 +67,31 @@ class QuantFormat:
         if isinstance(spec, QuantFormat):
             return spec
         kind, _, group = str(spec).strip().lower().partition(":")
+        if group.startswith("t"):  # token axis: int4:t64 (or int4:t for the default block)
+            tokens = group[1:]
+            if tokens and not tokens.isdigit():
+                raise ValueError(f"bad format {spec!r}: expected KIND:tTOKENS, e.g. int4:t64")
+            return cls(kind, int(tokens) if tokens else DEFAULT_TOKEN_GROUP, "token")
         if group and not group.isdigit():
             raise ValueError(f"bad format {spec!r}: expected KIND or KIND:GROUP, e.g. int4 or int4:32")
         return cls(kind, int(group) if group else -1)
 
     def check_dim(self, dim: int, path: str = "cache") -> None:
         """Raise if the group size does not divide the path's width."""
-        if self.group and dim % self.group:
+        if self.group and self.axis == "channel" and dim % self.group:
             raise ValueError(f"{path} format {self}: group {self.group} does not divide its {dim} channels")
-        if self.kind == "int4" and dim % 2 or self.kind == "int2" and dim % 4:
+        if self.bits in (4, 2) and dim % (8 // self.bits):
             raise ValueError(f"{path} format {self}: {dim} channels cannot be packed {8 // self.bits} per byte")
+        if self.bits == 3 and dim % 8:
+            raise ValueError(f"{path} format {self}: {dim} channels cannot be packed 8 per 3 bytes")
 
     def fit(self, dim: int) -> QuantFormat:
         """This format for a path of `dim` channels: a group wider than the path becomes the whole path."""
-        return QuantFormat(self.kind, dim) if self.group > dim else self
+        return QuantFormat(self.kind, dim) if self.group > dim and self.axis == "channel" else self
 
     def __str__(self) -> str:
+        if self.axis == "token":
+            return f"{self.kind}:t{self.group}"
         if self.kind == "bf16" or self.group == DEFAULT_GROUP[self.kind]:
             return self.kind
         return f"{self.kind}:{self.group}"
@@ -78,18 +103,26 @@ class CacheConfig:
 
     sink:   the first `sink` tokens of every sequence are never quantized (attention sinks).
     recent: the most recent `recent` tokens stay in BF16; a token is quantized when it leaves this window.
+    rope_rotation: "" (none) or "hadamard[:SEED]": an online rotation of the RoPE path's quantized body
+            (QuaRot). A Hadamard does not commute with RoPE, so it cannot be folded into the weights: the
+            cache rotates keys before quantizing and rotates back after dequantizing (a kernel would rotate
+            the query instead). Protected tokens are not rotated.
     """
 
     content: QuantFormat = field(default_factory=lambda: QuantFormat("int4"))
     rope: QuantFormat = field(default_factory=lambda: QuantFormat("int4"))
     sink: int = 4
     recent: int = 128
+    rope_rotation: str = ""
 
     def __post_init__(self):
         object.__setattr__(self, "content", QuantFormat.parse(self.content))
         object.__setattr__(self, "rope", QuantFormat.parse(self.rope))
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"sink and recent must be >= 0, got sink={self.sink}, recent={self.recent}")
+        kind, _, seed = self.rope_rotation.partition(":")
+        if kind not in ROPE_ROTATIONS or (seed and not seed.isdigit()) or (seed and not kind):
+            raise ValueError(f"bad rope_rotation {self.rope_rotation!r}: expected '' or 'hadamard[:SEED]'")
 
     def check_dims(self, kv_lora_rank: int, rope_dim: int) -> None:
         self.content.check_dim(kv_lora_rank, "content")
@@ -97,16 +130,19 @@ class CacheConfig:
 
     def fit(self, kv_lora_rank: int, rope_dim: int) -> CacheConfig:
         """The config for a model's dims (small test models have paths narrower than the default groups)."""
-        cfg = CacheConfig(self.content.fit(kv_lora_rank), self.rope.fit(rope_dim), self.sink, self.recent)
+        cfg = CacheConfig(self.content.fit(kv_lora_rank), self.rope.fit(rope_dim), self.sink, self.recent,
+                          self.rope_rotation)
         cfg.check_dims(kv_lora_rank, rope_dim)
         return cfg
 
     def to_dict(self) -> dict:
-        return {"content": str(self.content), "rope": str(self.rope), "sink": self.sink, "recent": self.recent}
+        d = {"content": str(self.content), "rope": str(self.rope), "sink": self.sink, "recent": self.recent}
+        return {**d, "rope_rotation": self.rope_rotation} if self.rope_rotation else d
 
     @classmethod
     def from_dict(cls, d: dict) -> CacheConfig:
-        return cls(d["content"], d["rope"], int(d.get("sink", 4)), int(d.get("recent", 128)))
+        return cls(d["content"], d["rope"], int(d.get("sink", 4)), int(d.get("recent", 128)),
+                   d.get("rope_rotation", ""))
 
     @classmethod
     def bf16(cls) -> CacheConfig:

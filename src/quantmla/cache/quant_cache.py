@@ -10,11 +10,16 @@ Per layer and path, the token axis is split into three parts, in order:
   sink    the first `CacheConfig.sink` tokens, kept as given (input dtype), never quantized;
   body    every token that has left the recent window, quantized with the path's `QuantFormat`;
   recent  the last `CacheConfig.recent` tokens, kept as given.
-A token is quantized as soon as it leaves the recent window, also within one long prefill call. The body is
+A token is quantized as soon as it leaves the recent window, also within one long prefill call. Token-axis
+(KIVI-style) formats quantize blocks of `group` tokens: tokens that left the window wait, as given, in a
+`staging` part between body and recent until a whole block is there (they count in memory_bytes). With
+`CacheConfig.rope_rotation` the RoPE body holds H k_pe (H a randomized Hadamard, applied before quantizing
+and undone after dequantizing: QuaRot's online rotation; sink, staging and recent are not rotated). The body is
 a `Packed` whose fields grow along dim -2 by concatenation (no per-token Python lists):
   codes [batch, 1, n, packed width] uint8 (or the input dtype for the bf16 passthrough),
   scale / zero [batch, 1, n, dim / group] (fp16 for integer formats, fp32 scale for fp8, absent for bf16
-  and per-tensor fp8). Its bytes per token are exactly `quant.formats.bytes_per_token(fmt, dim)`.
+  and per-tensor fp8; token-axis formats [batch, 1, n / group, dim]). Its bytes per token are exactly
+  `quant.formats.bytes_per_token(fmt, dim)`.
 
 `update` returns what the cache really holds, sink ++ dequantize(body) ++ recent in the input dtype, so even
 the prefill's own queries attend to the quantized history (transformers' QuantizedCache returns the
@@ -52,6 +57,16 @@ def _drop_last(t: torch.Tensor, n: int) -> torch.Tensor:
     return t[..., : t.shape[-2] - n, :]
 
 
+def online_rotation(spec: str, dim: int) -> torch.Tensor | None:
+    """The fp32 [dim, dim] matrix of a CacheConfig.rope_rotation spec ("hadamard[:SEED]": H diag(random signs)
+    / sqrt(dim), a random orthogonal matrix where dim is not a power of two), or None for ""."""
+    if not spec:
+        return None
+    from quantmla.calibrate.content import random_hadamard
+
+    return random_hadamard(dim, torch.Generator().manual_seed(int(spec.partition(":")[2] or 0)))
+
+
 def _cat_packed(a: Packed, b: Packed) -> Packed:
     fields = zip((a.codes, a.scale, a.zero), (b.codes, b.scale, b.zero))
     return Packed(*(None if x is None else torch.cat([x, y], dim=-2) for x, y in fields))
@@ -59,26 +74,35 @@ def _cat_packed(a: Packed, b: Packed) -> Packed:
 
 @dataclass
 class PathStore:
-    """One path (content or RoPE) of one layer: sink [B,1,s,D] ++ body (Packed, n tokens) ++ recent [B,1,r,D]."""
+    """One path (content or RoPE) of one layer, in token order: sink [B,1,s,D] ++ body (Packed, n tokens) ++
+    staging [B,1,w,D] (token-axis formats only: w < group) ++ recent [B,1,r,D]."""
 
     fmt: QuantFormat
     what: str  # "layer 3 content": named in every error
     sink: torch.Tensor
     body: Packed
     recent: torch.Tensor
+    staging: torch.Tensor | None = None
+    rotation: torch.Tensor | None = None  # [D, D] orthogonal: the body holds x @ rotation.T
 
     @classmethod
-    def empty(cls, like: torch.Tensor, fmt: QuantFormat, what: str) -> PathStore:
+    def empty(cls, like: torch.Tensor, fmt: QuantFormat, what: str, rotation: torch.Tensor | None = None
+              ) -> PathStore:
         none = like[..., :0, :]
         # Quantizing zero tokens gives a body of the right dtypes and trailing shapes to concatenate onto.
-        return cls(fmt, what, none.clone(), quantize(none.clone(), fmt, what), none.clone())
+        return cls(fmt, what, none.clone(), quantize(none.clone(), fmt, what), none.clone(), none.clone(), rotation)
+
+    @property
+    def block(self) -> int:
+        """Tokens quantized together: a token-axis format's block, else 1 (every token on its own)."""
+        return self.fmt.group if self.fmt.axis == "token" else 1
 
     @property
     def n_body(self) -> int:
         return self.body.codes.shape[-2]
 
     def __len__(self) -> int:
-        return self.sink.shape[-2] + self.n_body + self.recent.shape[-2]
+        return self.sink.shape[-2] + self.n_body + self.staging.shape[-2] + self.recent.shape[-2]
 
     def append(self, x: torch.Tensor, config: CacheConfig) -> torch.Tensor:
         """Add tokens x [B,1,n,D]; quantize whatever leaves the window; return the whole history [B,1,T,D]."""
@@ -91,29 +115,50 @@ class PathStore:
         recent = torch.cat([self.recent, x], dim=-2)
         leaving = recent.shape[-2] - config.recent
         if leaving > 0:
-            self.body = _cat_packed(self.body, quantize(recent[..., :leaving, :], self.fmt, self.what))
-            recent = recent[..., leaving:, :].clone()  # clone: do not keep the larger buffer alive
+            staging = torch.cat([self.staging, recent[..., :leaving, :]], dim=-2)
+            ready = staging.shape[-2] - staging.shape[-2] % self.block  # whole blocks only
+            if ready:
+                block = staging[..., :ready, :]
+                if self.rotation is not None:
+                    block = (block.float() @ self.rotation.to(block.device).T).to(block.dtype)
+                self.body = _cat_packed(self.body, quantize(block, self.fmt, self.what))
+            self.staging = staging[..., ready:, :].clone()  # clone: do not keep the larger buffers alive
+            recent = recent[..., leaving:, :].clone()
         self.recent = recent
-        body = dequantize(self.body, self.fmt, self.sink.dtype)
-        return torch.cat([self.sink, body, self.recent], dim=-2)
+        return torch.cat([self.sink, self.dequantized_body(), self.staging, self.recent], dim=-2)
+
+    def dequantized_body(self) -> torch.Tensor:
+        """The body in the sink's dtype, rotated back where the path has an online rotation."""
+        if self.rotation is None:
+            return dequantize(self.body, self.fmt, self.sink.dtype)
+        body = dequantize(self.body, self.fmt, torch.float32)
+        return (body @ self.rotation.to(body.device)).to(self.sink.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.sink, *self.body.tensors(), self.recent]
+        return [self.sink, *self.body.tensors(), self.staging, self.recent]
 
     def map(self, fn) -> None:
         """Apply fn to every stored tensor (batch selection, beam reordering, device moves)."""
         self.sink, self.recent, self.body = fn(self.sink), fn(self.recent), _map_packed(self.body, fn)
+        self.staging = fn(self.staging)
 
     def crop_last(self, n: int) -> None:
-        """Drop the last n tokens, from the recent window first, then the body, then the sink."""
-        cut = min(n, self.recent.shape[-2])
-        self.recent, n = _drop_last(self.recent, cut), n - cut
+        """Drop the last n tokens, from the recent window first, then staging, the body, then the sink."""
+        for part in ("recent", "staging"):
+            cut = min(n, getattr(self, part).shape[-2])
+            setattr(self, part, _drop_last(getattr(self, part), cut))
+            n -= cut
         cut = min(n, self.n_body)
-        self.body, n = _map_packed(self.body, lambda t: _drop_last(t, cut)), n - cut
-        self.sink = _drop_last(self.sink, min(n, self.sink.shape[-2]))
+        if cut % self.block:
+            raise ValueError(f"{self.what}: cannot crop {cut} quantized tokens out of {self.fmt}'s blocks of "
+                             f"{self.block} tokens")
+        body = self.body
+        self.body = Packed(_drop_last(body.codes, cut), *(None if t is None else _drop_last(t, cut // self.block)
+                                                          for t in (body.scale, body.zero)))
+        self.sink = _drop_last(self.sink, min(n - cut, self.sink.shape[-2]))
 
     def report(self) -> dict:
-        return {"format": str(self.fmt), "quantized_tokens": self.n_body,
+        return {"format": str(self.fmt), "quantized_tokens": self.n_body, "staged_tokens": self.staging.shape[-2],
                 "protected_tokens": self.sink.shape[-2] + self.recent.shape[-2],
                 "bytes": sum(t.numel() * t.element_size() for t in self.tensors())}
 
@@ -159,7 +204,8 @@ class QuantMLALayer(DynamicLayer):
         self.config.rope.check_dim(value_states.shape[-1], f"{self._name} rope")
         self.device = key_states.device
         self.content = PathStore.empty(key_states, self.config.content, f"{self._name} content")
-        self.rope = PathStore.empty(value_states, self.config.rope, f"{self._name} rope")
+        rotation = online_rotation(self.config.rope_rotation, value_states.shape[-1])
+        self.rope = PathStore.empty(value_states, self.config.rope, f"{self._name} rope", rotation)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):

@@ -13,6 +13,7 @@ Methods available now (DESIGN.md §3 baselines):
                no protected tokens
   rtn          round-to-nearest on both paths (default int4/int4, group 64), sink 4 + recent 128 in BF16
   rtn-content  round-to-nearest content, RoPE left BF16, same protected tokens
+  fp4, turboquant, kivi, quarot, smoothquant, quantmla: see `eval/baselines.py`
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 from torch import nn
 
 from quantmla.config import CacheConfig, QuantFormat
+from quantmla.eval.baselines import BASELINES
 from quantmla.models.adapters import describe
 
 
@@ -80,6 +82,7 @@ METHODS: dict[str, Callable[[nn.Module, MethodArgs], tuple[nn.Module, CacheConfi
     "fp8-content": _fixed("fp8-content", "fp8:128", "bf16"),
     "rtn": rtn,
     "rtn-content": rtn_content,
+    **BASELINES,
 }
 
 

@@ -7,18 +7,31 @@ Byte layout per token (last dim), for a path of `dim` channels and group size `g
   int4   codes: uint8 [dim/2], channel 2i in the low nibble, 2i+1 in the high nibble; scale, zero fp16 [dim/g]
   int2   codes: uint8 [dim/4], channel 4i+k in bits 2k..2k+1; scale, zero fp16 [dim/g]
   fp8    codes: e4m3 bit patterns as uint8 [dim]; scale fp32 [dim/g] (g=0: fixed scale 1.0, no bytes)
+  fp4    codes: uint8 [dim/2], nibbles as int4; a nibble is e2m1: bit 3 sign, bits 0-2 index into
+         FP4_VALUES; scale: e4m3 bit patterns as uint8 [dim/g]        -> dim/2 + dim/g bytes (NVFP4-style)
+  lmB    (lm4 / lm3 / lm2) codes: index into the B-bit Lloyd-Max levels of N(0, 1), packed as int4/int2, or
+         for lm3 8 codes per 3 bytes (one little-endian 24-bit word, channel 8i+k in bits 3k..3k+2);
+         scale: fp16 rms [dim/g] (g=0: one per token)          -> dim*B/8 + 2*(dim/g, or 1) bytes
 Integer formats are asymmetric: x ~= code * scale + zero, code in [0, 2^bits - 1], zero = group minimum.
+Token-axis integer formats (QuantFormat.axis == "token", KIVI-style) quantize x [..., n, dim] with n a
+multiple of the block of g tokens: codes uint8 [..., n, dim*bits/8] packed along channels as above; scale,
+zero fp16 [..., n/g, dim], one per channel and block   -> dim*bits/8 + 4*dim/g bytes per token on average.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 
-from quantmla.config import QuantFormat
+from quantmla.config import CODEBOOK_KINDS, QuantFormat
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+E4M3_MIN = 2.0**-9  # smallest positive (subnormal) float8_e4m3fn: the smallest fp4 block scale
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # e2m1 magnitudes, by the 3 low bits of the code
+FP4_MAX = 6.0
 
 
 @dataclass
@@ -44,9 +57,14 @@ def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
 
 
 def pack_bits(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack integer codes in [0, 2^bits) along the last dim, 8/bits per byte, low bits first."""
+    """Pack integer codes in [0, 2^bits) along the last dim, 8/bits per byte, low bits first.
+    3 bits: 8 codes per 3 bytes, low bits (and bytes) first."""
     if bits == 8:
         return codes.to(torch.uint8)
+    if 8 % bits:
+        shifts = torch.arange(0, 8 * bits, bits, device=codes.device)
+        word = (codes.long().unflatten(-1, (-1, 8)) << shifts).sum(-1, keepdim=True)
+        return ((word >> torch.arange(0, 8 * bits, 8, device=codes.device)) & 0xFF).to(torch.uint8).flatten(-2)
     per = 8 // bits
     c = codes.to(torch.uint8).unflatten(-1, (-1, per))
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
@@ -57,6 +75,11 @@ def unpack_bits(packed: torch.Tensor, bits: int) -> torch.Tensor:
     """Inverse of pack_bits: uint8 [..., n] -> uint8 codes [..., n * 8/bits]."""
     if bits == 8:
         return packed
+    if 8 % bits:
+        bytes_ = packed.long().unflatten(-1, (-1, bits))
+        word = (bytes_ << torch.arange(0, 8 * bits, 8, device=packed.device)).sum(-1, keepdim=True)
+        codes = (word >> torch.arange(0, 8 * bits, bits, device=packed.device)) & ((1 << bits) - 1)
+        return codes.to(torch.uint8).flatten(-2)
     shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
     return ((packed.unsqueeze(-1) >> shifts) & mask).flatten(-2)
@@ -84,12 +107,110 @@ def _int_scale_zero(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tenso
     return s16, lo.half()
 
 
+def _e4m3_at_least(s: torch.Tensor) -> torch.Tensor:
+    """The smallest e4m3 value >= s (s in [0, 448]), as uint8 bit patterns; below 2^-9 the smallest one."""
+    s = s.clamp(E4M3_MIN, FP8_MAX)
+    bits = s.to(torch.float8_e4m3fn).view(torch.uint8)
+    # Round-to-nearest may go down; for positive e4m3 the next bit pattern is the next larger value.
+    return bits + (bits.view(torch.float8_e4m3fn).float() < s).to(torch.uint8)
+
+
+def _quantize_fp4(x: torch.Tensor, group: int) -> Packed:
+    g = x.float().unflatten(-1, (-1, group))
+    amax = g.abs().amax(-1)
+    if (amax > FP4_MAX * FP8_MAX).any():
+        raise ValueError(f"cannot quantize to fp4: |x| > {FP4_MAX * FP8_MAX:g} exceeds the e4m3 block scales")
+    # Scale rounded up, so the block maximum maps inside +-6 and nothing clips. No per-tensor second scale:
+    # blocks with max below 6 * 2^-9 lose resolution (the smallest e4m3 scale).
+    scale = _e4m3_at_least(amax / FP4_MAX)
+    y = g / scale.view(torch.float8_e4m3fn).float().unsqueeze(-1)
+    mids = torch.tensor(FP4_VALUES, device=x.device)
+    mag = torch.bucketize(y.abs().clamp(max=FP4_MAX), (mids[1:] + mids[:-1]) / 2)  # nearest; ties go down
+    codes = mag.to(torch.uint8) | ((y < 0).to(torch.uint8) << 3)
+    return Packed(pack_bits(codes.flatten(-2), 4), scale)
+
+
+def _dequantize_fp4(p: Packed, group: int) -> torch.Tensor:
+    codes = unpack_bits(p.codes, 4).long()
+    vals = torch.tensor(FP4_VALUES, device=codes.device)[codes & 7] * (1 - 2 * (codes >> 3)).float()
+    scale = p.scale.view(torch.float8_e4m3fn).float().unsqueeze(-1)
+    return (vals.unflatten(-1, (-1, group)) * scale).flatten(-2)
+
+
+def _phi(x: float) -> float:
+    return math.exp(-x * x / 2) / math.sqrt(2 * math.pi) if math.isfinite(x) else 0.0
+
+
+def _Phi(x: float) -> float:
+    return 0.5 * (1 + math.erf(x / math.sqrt(2)))
+
+
+@lru_cache(maxsize=None)
+def lloyd_max_gaussian(bits: int, iters: int = 1000) -> tuple[tuple[float, ...], tuple[float, ...]]:
+    """(levels, thresholds) of the MSE-optimal 2^bits-level scalar quantizer of N(0, 1), by Lloyd's
+    iteration on the exact density: thresholds are the midpoints of levels, levels the conditional means
+    E[X | cell] = (phi(a) - phi(b)) / (Phi(b) - Phi(a)). Ascending; Max (1960) tabulates them."""
+    n = 2**bits
+    levels = [3.0 * (2 * i + 1 - n) / n for i in range(n)]
+    for _ in range(iters):
+        edges = [-math.inf] + [(a + b) / 2 for a, b in zip(levels, levels[1:])] + [math.inf]
+        levels = [(_phi(a) - _phi(b)) / (_Phi(b) - _Phi(a)) for a, b in zip(edges, edges[1:])]
+    return tuple(levels), tuple((a + b) / 2 for a, b in zip(levels, levels[1:]))
+
+
+def _rms_scale(g: torch.Tensor) -> torch.Tensor:
+    rms = g.pow(2).mean(-1).sqrt()
+    if (rms > 6e4).any():
+        raise ValueError("cannot quantize: group rms exceeds the fp16 range of the norms (> 6e4)")
+    return rms.clamp_min(2**-24).half()
+
+
+def _quantize_codebook(x: torch.Tensor, fmt: QuantFormat) -> Packed:
+    g = x.float().unflatten(-1, (-1, fmt.group or x.shape[-1]))
+    scale = _rms_scale(g)
+    _, thresholds = lloyd_max_gaussian(fmt.bits)
+    codes = torch.bucketize(g / scale.float().unsqueeze(-1), torch.tensor(thresholds, device=x.device))
+    return Packed(pack_bits(codes.flatten(-2), fmt.bits), scale)
+
+
+def _dequantize_codebook(p: Packed, fmt: QuantFormat) -> torch.Tensor:
+    levels = torch.tensor(lloyd_max_gaussian(fmt.bits)[0], device=p.codes.device)
+    vals = levels[unpack_bits(p.codes, fmt.bits).long()]
+    return (vals.unflatten(-1, (-1, vals.shape[-1] // p.scale.shape[-1])) * p.scale.float().unsqueeze(-1)).flatten(-2)
+
+
+def _quantize_tokens(x: torch.Tensor, fmt: QuantFormat, what: str) -> Packed:
+    """KIVI-style: each channel grouped over blocks of fmt.group tokens (dim -2)."""
+    if x.dim() < 2 or x.shape[-2] % fmt.group:
+        raise ValueError(f"cannot quantize {what} as {fmt}: needs a multiple of {fmt.group} tokens along dim -2, "
+                         f"got shape {tuple(x.shape)}")
+    xt = x.transpose(-1, -2)  # [..., dim, n]: the token blocks become the last dim's groups
+    scale, zero = _int_scale_zero(xt, fmt.bits, fmt.group)
+    g = xt.float().unflatten(-1, (-1, fmt.group))
+    codes = ((g - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, 2**fmt.bits - 1)
+    codes = codes.flatten(-2).transpose(-1, -2)  # [..., n, dim]
+    return Packed(pack_bits(codes, fmt.bits), scale.transpose(-1, -2), zero.transpose(-1, -2))
+
+
+def _dequantize_tokens(p: Packed, fmt: QuantFormat) -> torch.Tensor:
+    codes = unpack_bits(p.codes, fmt.bits).float().unflatten(-2, (-1, fmt.group))  # [..., n/g, g, dim]
+    out = codes * p.scale.float().unsqueeze(-2) + p.zero.float().unsqueeze(-2)
+    return out.flatten(-3, -2)
+
+
 def quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor") -> Packed:
-    """Quantize along the last dim. Raises ValueError on NaN/Inf or a group that does not divide the dim."""
+    """Quantize along the last dim (token-axis formats: along dim -2, in blocks of fmt.group tokens).
+    Raises ValueError on NaN/Inf or a group that does not divide the dim."""
     fmt.check_dim(x.shape[-1], what)
     if fmt.kind == "bf16":
         return Packed(x)  # passthrough: the protected precision is whatever the model computes in
     check_finite(x, what)
+    if fmt.axis == "token":
+        return _quantize_tokens(x, fmt, what)
+    if fmt.kind == "fp4":
+        return _quantize_fp4(x, fmt.group)
+    if fmt.kind in CODEBOOK_KINDS:
+        return _quantize_codebook(x, fmt)
     if fmt.kind == "fp8":
         if fmt.group == 0:
             return Packed(x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
@@ -108,6 +229,12 @@ def dequantize(p: Packed, fmt: QuantFormat, dtype: torch.dtype = torch.float32) 
     """Inverse of quantize (up to rounding), returned in `dtype`."""
     if fmt.kind == "bf16":
         return p.codes.to(dtype)
+    if fmt.axis == "token":
+        return _dequantize_tokens(p, fmt).to(dtype)
+    if fmt.kind == "fp4":
+        return _dequantize_fp4(p, fmt.group).to(dtype)
+    if fmt.kind in CODEBOOK_KINDS:
+        return _dequantize_codebook(p, fmt).to(dtype)
     if fmt.kind == "fp8":
         vals = p.codes.view(torch.float8_e4m3fn).float()
         if fmt.group == 0:
@@ -123,11 +250,19 @@ def fake_quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor") -> to
     return dequantize(quantize(x, fmt, what), fmt, x.dtype)
 
 
-def bytes_per_token(fmt: QuantFormat, dim: int) -> int:
-    """Exact bytes one token of a `dim`-channel path occupies in this format, scales included."""
+def bytes_per_token(fmt: QuantFormat, dim: int) -> int | float:
+    """Exact bytes one token of a `dim`-channel path occupies in this format, scales included.
+    Token-axis formats: the average over a block of fmt.group tokens (a float when it is not whole)."""
     fmt.check_dim(dim)
     if fmt.kind == "bf16":
         return 2 * dim
+    if fmt.axis == "token":
+        scales = 4 * dim / fmt.group
+        return dim * fmt.bits // 8 + (int(scales) if scales.is_integer() else scales)
+    if fmt.kind == "fp4":
+        return dim // 2 + dim // fmt.group
+    if fmt.kind in CODEBOOK_KINDS:
+        return dim * fmt.bits // 8 + 2 * (dim // fmt.group if fmt.group else 1)
     if fmt.kind == "fp8":
         return dim + (4 * dim // fmt.group if fmt.group else 0)
     return dim * fmt.bits // 8 + 4 * (dim // fmt.group)
@@ -141,8 +276,8 @@ def fake_quantize_ste(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """
     if fmt.kind == "bf16":
         return x
-    if fmt.kind == "fp8":
-        return x + (fake_quantize(x.detach(), fmt) - x).detach()
+    if fmt.kind == "fp8" or fmt.kind == "fp4" or fmt.kind in CODEBOOK_KINDS or fmt.axis == "token":
+        return x + (fake_quantize(x.detach(), fmt) - x).detach()  # plain straight-through
     qmax = 2**fmt.bits - 1
     g = x.unflatten(-1, (-1, fmt.group))
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
