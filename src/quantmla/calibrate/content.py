@@ -36,7 +36,7 @@ def random_hadamard(n: int, generator: torch.Generator | None = None) -> torch.T
 def attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos):
     """Per-head attention output in value space [B, H, Tq, dv] for queries at positions q_pos [Tq]."""
     scores = scale * (torch.einsum("bhtc,bsc->bhts", q_abs, c) + torch.einsum("bhtr,bsr->bhts", q_pe, k_pe))
-    future = torch.arange(c.shape[1])[None, :] > q_pos[:, None]
+    future = torch.arange(c.shape[1], device=c.device)[None, :] > q_pos.to(c.device)[:, None]
     probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
     return torch.einsum("bhts,bsc,hvc->bhtv", probs, c, w_uv)
 
@@ -68,15 +68,15 @@ def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, f
 
     train, held_out = batch(train_sl), batch(held_sl)
     dc = c.shape[-1]
-    hadamard = random_hadamard(dc, g)
+    hadamard = random_hadamard(dc, g).to(c.device)
     c_rot_rms = ((c / gamma) @ hadamard.T).pow(2).mean(dim=(0, 1)).sqrt()
     starts = {
         # identity: the cache unchanged (sigma = gamma keeps c' = c)
-        "identity": {"rotation": torch.eye(dc), "log_sigma": torch.log(gamma.abs().clamp_min(1e-6))},
+        "identity": {"rotation": torch.eye(dc, device=c.device), "log_sigma": torch.log(gamma.abs().clamp_min(1e-6))},
         "hadamard": {"rotation": hadamard, "log_sigma": -torch.log(c_rot_rms.clamp_min(1e-6))},
     }
     # R is optimised through torch's orthogonal parametrization, starting at the Hadamard rotation.
-    lin = orthogonal(nn.Linear(dc, dc, bias=False), orthogonal_map="cayley")
+    lin = orthogonal(nn.Linear(dc, dc, bias=False, device=c.device), orthogonal_map="cayley")
     with torch.no_grad():
         lin.weight = hadamard
     log_sigma = starts["hadamard"]["log_sigma"].clone().requires_grad_(True)
@@ -92,7 +92,7 @@ def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, f
         param_groups=[{"params": list(lin.parameters()), "lr": 2e-3}, {"params": [log_sigma], "lr": 1e-2}],
         steps=steps,
     )
-    return ContentTransform(res.params["rotation"].double(), torch.exp(res.params["log_sigma"])), res
+    return ContentTransform(res.params["rotation"].double().cpu(), torch.exp(res.params["log_sigma"]).cpu()), res
 
 
 def content_objective(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, fmt: QuantFormat,
@@ -102,4 +102,5 @@ def content_objective(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, f
     ref = attention_heads(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos)
     data = (q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos, ref)
     with torch.no_grad():
-        return float(content_error(data, gamma, t.rotation.float(), t.scale.float(), fmt, fake_quantize))
+        return float(content_error(data, gamma, t.rotation.float().to(c.device), t.scale.float().to(c.device), fmt,
+                                   fake_quantize))

@@ -17,8 +17,8 @@ from quantmla.quant.formats import fake_quantize, fake_quantize_ste
 from quantmla.transforms.rope import RopeTransform
 
 
-def _pair_index(pairs) -> torch.Tensor:
-    return torch.tensor(pairs, dtype=torch.long)
+def _pair_index(pairs, device=None) -> torch.Tensor:
+    return torch.tensor(pairs, dtype=torch.long, device=device)
 
 
 def transform_pairs(x: torch.Tensor, mats: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
@@ -41,7 +41,7 @@ def _mats(log_scale: torch.Tensor, angle: torch.Tensor) -> tuple[torch.Tensor, t
 
 def qk_error(q: torch.Tensor, k: torch.Tensor, pairs, params: dict, fmt: QuantFormat, quant) -> torch.Tensor:
     """Normalised positional score error. q [B, H, Tq, dr] at positions pos [Tq]; k [B, S, dr]."""
-    idx = _pair_index(pairs)
+    idx = _pair_index(pairs, k.device)
     m, m_inv_t = _mats(params["log_scale"], params["angle"])
     kt, qt = transform_pairs(k, m, idx), transform_pairs(q, m_inv_t, idx)
     err = torch.einsum("bhtr,bsr->bhts", qt, quant(kt, fmt) - kt)
@@ -56,16 +56,16 @@ def calibrate_rope(q_pe, k_pe, q_pos, pairs, fmt: QuantFormat, steps: int = 100,
     Sequences are split into a training half (surrogate) and a held-out half (true objective)."""
     q_pe, k_pe = q_pe.detach().float(), k_pe.detach().float()
     train_sl, held_sl = split(q_pe.shape[0], train_frac)
-    causal = (torch.arange(k_pe.shape[1])[None, :] <= q_pos[:, None]).float()  # [Tq, S]
-    half = k_pe.shape[-1] // 2
-    mag = k_pe[..., _pair_index(pairs)].pow(2).sum(-1).mean(dim=(0, 1)).sqrt()  # [P]
+    causal = (torch.arange(k_pe.shape[1], device=k_pe.device)[None, :] <= q_pos.to(k_pe.device)[:, None]).float()
+    mag = k_pe[..., _pair_index(pairs, k_pe.device)].pow(2).sum(-1).mean(dim=(0, 1)).sqrt()  # [P]
     starts = {
-        "identity": {"log_scale": torch.zeros(half), "angle": torch.zeros(half)},
-        "equalised": {"log_scale": -torch.log(mag.clamp_min(1e-6)), "angle": torch.zeros(half)},
+        "identity": {"log_scale": torch.zeros_like(mag), "angle": torch.zeros_like(mag)},
+        "equalised": {"log_scale": -torch.log(mag.clamp_min(1e-6)), "angle": torch.zeros_like(mag)},
     }
     log_scale = starts["equalised"]["log_scale"].clone().requires_grad_(True)
     # A small random start for the angles: at exactly 0 the straight-through gradient is often degenerate.
-    angle = (0.01 * torch.randn(half, generator=torch.Generator().manual_seed(seed))).requires_grad_(True)
+    angle = 0.01 * torch.randn(mag.shape, generator=torch.Generator().manual_seed(seed))
+    angle = angle.to(mag.device).requires_grad_(True)
 
     def error(p, sl, quant):
         return qk_error(q_pe[sl], k_pe[sl], pairs, {**p, "_causal": causal}, fmt, quant)
@@ -80,13 +80,14 @@ def calibrate_rope(q_pe, k_pe, q_pos, pairs, fmt: QuantFormat, steps: int = 100,
     )
     p = res.params
     scale = torch.exp(p["log_scale"] - p["log_scale"].mean())
-    return RopeTransform(p["angle"].clone(), scale), res
+    return RopeTransform(p["angle"].cpu(), scale.cpu()), res
 
 
 def rope_objective(q_pe, k_pe, q_pos, pairs, fmt: QuantFormat, t: RopeTransform) -> float:
     """The true objective of a given transform (real quantization), e.g. to compare with the identity."""
-    causal = (torch.arange(k_pe.shape[1])[None, :] <= q_pos[:, None]).float()
-    params = {"log_scale": torch.log(t.scale.float()), "angle": t.angle.float(), "_causal": causal}
+    causal = (torch.arange(k_pe.shape[1], device=k_pe.device)[None, :] <= q_pos.to(k_pe.device)[:, None]).float()
+    params = {"log_scale": torch.log(t.scale.float()).to(k_pe.device), "angle": t.angle.float().to(k_pe.device),
+              "_causal": causal}
     with torch.no_grad():
         return float(qk_error(q_pe.float(), k_pe.float(), pairs, params, fmt, fake_quantize))
 

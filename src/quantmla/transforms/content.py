@@ -43,8 +43,8 @@ def fold_content(attn, layer: MLALayer, t: ContentTransform) -> None:
         raise ValueError(f"content transform for {layer.module}: expected R [{dc},{dc}] and sigma [{dc}]")
     if (t.scale <= 0).any():
         raise ValueError(f"content transform for {layer.module}: channel scales must be > 0")
-    r, sigma = t.rotation.double(), t.scale.double()
     kv_a, norm, kv_b = attn.kv_a_proj_with_mqa, attn.kv_a_layernorm, attn.kv_b_proj
+    r, sigma = t.rotation.double().to(kv_a.weight.device), t.scale.double().to(kv_a.weight.device)
     gamma = norm.weight.double()
     kv_a.weight[:dc] = (r @ kv_a.weight[:dc].double()).to(kv_a.weight.dtype)
     if kv_a.bias is not None:
