@@ -174,6 +174,10 @@ def cmd_eval(args) -> None:
     from quantmla.models import load_model
 
     # Check everything the user typed before the (slow) model load.
+    if args.method is None:
+        from quantmla.calibrate.export import quantmla_section
+
+        args.method = "quantmla" if quantmla_section(resolve_model_dir(args.model)) else "bf16"
     if args.method not in METHODS:
         raise ValueError(f"unknown method {args.method!r}; known methods: {', '.join(METHODS)}")
     method_args = MethodArgs(args.content, args.rope, args.sink, args.recent)
@@ -281,9 +285,13 @@ def build_parser() -> argparse.ArgumentParser:
                                    "model.generate with the cache under test; the same seeds for every method. "
                                    "Cache bytes per token are measured from the cache at the longest length.")
     s.add_argument("model", nargs="?", help=MODEL_HELP)
-    s.add_argument("--method", default="bf16",
-                   help="bf16, fp8 (whole row e4m3, one scale), fp8-content (FlashMLA: content e4m3 per 128, "
-                        "RoPE BF16), rtn (both paths), rtn-content (RoPE BF16) (default bf16)")
+    s.add_argument("--method", default=None,
+                   help="bf16; fp8 (whole row e4m3, one scale); fp8-content (FlashMLA: content e4m3 per 128, RoPE "
+                        "BF16); rtn / rtn-content (round-to-nearest, RoPE BF16 for the latter); fp4 (e2m1, block "
+                        "scales); turboquant (rotation + 3-bit codebook latent, RoPE BF16); kivi (per-channel, "
+                        "token groups); quarot (Hadamard; online on RoPE); smoothquant (channel scaling); quantmla "
+                        "(calibrates first unless MODEL is a calibrated checkpoint). Default: quantmla for a "
+                        "calibrated checkpoint, else bf16")
     s.add_argument("--content", help="content format for rtn/rtn-content: bf16, fp8, int8, int4, int2 [:group] "
                                      "(default int4)")
     s.add_argument("--rope", help="RoPE format for rtn, same spelling (default int4)")

@@ -21,6 +21,7 @@ from quantmla.cache.quant_cache import QuantMLACache
 from quantmla.config import CacheConfig
 from quantmla.data import encode, read_text, token_windows
 from quantmla.eval import perplexity, retrieval
+from quantmla.eval.baselines import method_info
 from quantmla.eval.methods import MethodArgs, apply_method
 from quantmla.models.adapters import describe
 from quantmla.quant.formats import bytes_per_token
@@ -74,6 +75,7 @@ class EvalResult:
     kl: float | None = None
     niah: dict[str, dict[int, float]] = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
+    costs: dict = field(default_factory=dict)  # run-time work besides cache bytes (e.g. an online rotation)
     seconds: float = 0.0
 
     def to_dict(self) -> dict:
@@ -129,6 +131,7 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
         bytes_per_token_body=bytes_per_token(config.content, dc) + bytes_per_token(config.rope, dr),
         bytes_per_token_bf16=2 * (dc + dr), bytes_length=longest,
         settings={**asdict(settings), "cache": config.to_dict()},
+        costs=method_info(test_model, config),
     )
     if "ppl" in settings.tasks or "kl" in settings.tasks:
         windows = heldout_windows(tokenizer, model.config.vocab_size, longest, settings.samples, text_path)
