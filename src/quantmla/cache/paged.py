@@ -1,0 +1,285 @@
+"""The paged, packed MLA cache of one layer: pools of fixed-size blocks plus BF16 protected tokens.
+
+Layout (one layer; the engine keeps one `PagedMLACache` per layer and one block table per sequence,
+shared by all layers). `P` = page size in tokens (`block_size`), `NB` = pool blocks, `dc` = kv_lora_rank,
+`dr` = rope dims, `g` = a path's group size, `S` = max sequences (protected slots), `W` = sink + recent.
+
+Body pools, one `PagedPath` per cache path (content: dim = dc, rope: dim = dr), byte layouts exactly those
+of `quantmla.quant.formats` (the pool holds `quantize()`'s output, row for row):
+  int8/int4/int2  codes uint8   [NB, P, dim*bits/8]   int4: channel 2i low nibble, 2i+1 high nibble of byte i;
+                                                      int2: channel 4i+k in bits 2k..2k+1 of byte i
+                  scale fp16    [NB, P, dim/g]        x ~= code * scale + zero
+                  zero  fp16    [NB, P, dim/g]
+  fp8             codes uint8   [NB, P, dim]          e4m3 bit patterns
+                  scale fp32    [NB, P, dim/g]        x ~= e4m3(code) * scale  (g = 0: no scale, 1.0)
+  bf16            codes bf16    [NB, P, dim]          the values themselves
+Token at position p of a sequence lives in pool row `(block_table[p // P], p % P)`. Only positions that have
+left the protected window are ever written there; the rows of protected positions stay unused (the first
+block of a sequence therefore wastes `sink` rows, a few hundred bytes).
+
+Protected tokens (BF16, never quantized): `protected_content` bf16 [S, W, dc] and `protected_rope`
+bf16 [S, W, dr], indexed by the sequence's slot. Row p holds sink position p (p < sink); row
+`sink + (p - sink) % recent` holds a recent position p >= sink (a ring). For a sequence of length L:
+  - rows [0, min(L, W)) are valid (sink rows first, then the ring; attention does not care about order);
+  - positions [sink, L - recent) are quantized (none while L <= W);
+  - a token is quantized at the step its position drops out of the last `recent` positions.
+When both paths are bf16 there is nothing to protect: W = 0 and every token goes straight to the pool.
+
+Use: `cache = PagedMLACache.allocate(CacheConfig(...), dc, dr, num_blocks, max_seqs, block_size=64,
+device=...)`; per sequence a block table int32 [max_blocks] (`make_block_tables` stands in for the engine's
+block manager) and a slot; `cache.append(slot, table, seq_len, c, k_pe)` writes n new tokens (prefill),
+`cache.append_decode(slots, tables, seq_lens, c, k_pe)` one token for each sequence of a batch;
+`cache.gather(...)` is the dequantized view the reference attention uses; the decode kernel is
+`quantmla.kernels.mla_decode(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale)`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from quantmla.config import CacheConfig, QuantFormat
+from quantmla.quant.formats import Packed, dequantize, quantize
+
+PAGED_KINDS = ("bf16", "fp8", "int8", "int4", "int2")  # what the pools and the decode kernel read
+
+
+@dataclass
+class PagedPath:
+    """One cache path's pools (see the module docstring for shapes, dtypes and byte layouts).
+
+    scale/zero are None where the format has none (bf16; zero also for fp8; scale for fp8 with group 0).
+    """
+
+    fmt: QuantFormat
+    dim: int
+    codes: torch.Tensor
+    scale: torch.Tensor | None = None
+    zero: torch.Tensor | None = None
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scale, self.zero) if t is not None]
+
+    def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        """Quantize x [n, dim] with `quantize()` and store it at flat pool rows [n] (block * P + offset)."""
+        p = quantize(x, self.fmt, "cache")
+        for pool, val in zip(self.tensors(), p.tensors()):
+            pool.view(-1, pool.shape[-1])[rows] = val.to(pool.dtype)
+
+    def read(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Dequantize the tokens at flat pool rows [n] -> [n, dim] in `dtype` (via `dequantize()`)."""
+        flat = [t.view(-1, t.shape[-1])[rows] for t in self.tensors()]
+        if self.fmt.kind == "fp8" and self.fmt.group == 0:
+            return dequantize(Packed(flat[0]), self.fmt, dtype)
+        return dequantize(Packed(*flat), self.fmt, dtype)
+
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(t.shape[-1] * t.element_size() for t in self.tensors())
+
+
+def _alloc_path(fmt: QuantFormat, dim: int, num_blocks: int, block_size: int, device, fill) -> PagedPath:
+    lead = (num_blocks, block_size)
+    if fmt.kind == "bf16":
+        return PagedPath(fmt, dim, torch.full((*lead, dim), fill, dtype=torch.bfloat16, device=device))
+    codes = torch.zeros((*lead, dim * fmt.bits // 8), dtype=torch.uint8, device=device)
+    if fill != 0:
+        codes.fill_(0xFF)  # 0xFF is NaN in e4m3 and the top code for integers
+    if fmt.kind == "fp8":
+        scale = torch.full((*lead, dim // fmt.group), fill, device=device) if fmt.group else None
+        return PagedPath(fmt, dim, codes, scale)
+    g = dim // fmt.group
+    scale = torch.full((*lead, g), fill, dtype=torch.float16, device=device)
+    zero = torch.full((*lead, g), fill, dtype=torch.float16, device=device)
+    return PagedPath(fmt, dim, codes, scale, zero)
+
+
+@dataclass
+class PagedMLACache:
+    """One layer's paged cache: body pools for quantized tokens and BF16 rows for protected tokens."""
+
+    config: CacheConfig
+    kv_lora_rank: int
+    rope_dim: int
+    block_size: int
+    content: PagedPath
+    rope: PagedPath
+    protected_content: torch.Tensor  # bf16 [max_seqs, W, dc]
+    protected_rope: torch.Tensor  # bf16 [max_seqs, W, dr]
+    sink: int  # effective: 0 when both paths are bf16
+    recent: int
+
+    @classmethod
+    def allocate(
+        cls,
+        config: CacheConfig,
+        kv_lora_rank: int,
+        rope_dim: int,
+        num_blocks: int,
+        max_seqs: int,
+        block_size: int = 64,
+        device: torch.device | str = "cpu",
+        fill: float = 0.0,
+    ) -> PagedMLACache:
+        """Allocate empty pools. `fill=float('nan')` poisons every slot, so tests catch reads of unused rows."""
+        config.check_dims(kv_lora_rank, rope_dim)
+        for fmt in (config.content, config.rope):
+            if fmt.kind not in PAGED_KINDS or getattr(fmt, "axis", "channel") != "channel":
+                raise ValueError(f"the paged cache stores {', '.join(PAGED_KINDS)} grouped along channels, not {fmt}")
+        if block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {block_size}")
+        all_bf16 = config.content.kind == "bf16" and config.rope.kind == "bf16"
+        sink, recent = (0, 0) if all_bf16 else (config.sink, config.recent)
+        w = sink + recent
+        prot_c = torch.full((max_seqs, w, kv_lora_rank), fill, dtype=torch.bfloat16, device=device)
+        prot_r = torch.full((max_seqs, w, rope_dim), fill, dtype=torch.bfloat16, device=device)
+        return cls(
+            config,
+            kv_lora_rank,
+            rope_dim,
+            block_size,
+            _alloc_path(config.content, kv_lora_rank, num_blocks, block_size, device, fill),
+            _alloc_path(config.rope, rope_dim, num_blocks, block_size, device, fill),
+            prot_c,
+            prot_r,
+            sink,
+            recent,
+        )
+
+    @property
+    def window(self) -> int:
+        """Protected rows per sequence (sink + recent)."""
+        return self.sink + self.recent
+
+    @property
+    def num_blocks(self) -> int:
+        return self.content.codes.shape[0]
+
+    @property
+    def body_bytes_per_token(self) -> int:
+        """Exact pool bytes of one quantized token (both paths, scales and zeros included)."""
+        return self.content.bytes_per_token + self.rope.bytes_per_token
+
+    def protected_row(self, pos: torch.Tensor) -> torch.Tensor:
+        """Protected row of positions that are in the window (sink rows, then the recent ring)."""
+        ring = self.sink + (pos - self.sink).remainder(max(self.recent, 1))
+        return torch.where(pos < self.sink, pos, ring)
+
+    def pool_rows(self, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Flat pool rows (block * P + offset) of positions `pos` under `block_table` ([..., max_blocks])."""
+        blocks = torch.gather(block_table.long(), -1, pos // self.block_size)
+        return blocks * self.block_size + pos % self.block_size
+
+    # --- writers -------------------------------------------------------------------------------------
+
+    def append(self, slot: int, block_table: torch.Tensor, seq_len: int, c: torch.Tensor, k_pe: torch.Tensor):
+        """Append n tokens (c [n, dc], k_pe [n, dr], positions seq_len .. seq_len+n-1) to one sequence.
+
+        Host-driven (prefill, tests). block_table [max_blocks] int32 must already cover the new length.
+        Tokens that leave the recent window are quantized (from the ring or straight from the input),
+        then the new tokens that stay protected are written to the sink rows or the ring.
+        """
+        n, L, dev = c.shape[0], seq_len, c.device
+        if n == 0:
+            return
+        new_len = L + n
+        # Positions that become quantized now: [max(sink, L - recent), new_len - recent).
+        q_lo, q_hi = max(self.sink, L - self.recent), new_len - self.recent
+        if q_hi > q_lo:
+            ring = self.protected_row(torch.arange(q_lo, max(q_lo, min(q_hi, L)), device=dev))  # older
+            fresh = torch.arange(max(q_lo, L), max(q_hi, L), device=dev) - L  # new tokens that skip the window
+            src_c = torch.cat([self.protected_content[slot, ring].to(c.dtype), c[fresh]])
+            src_r = torch.cat([self.protected_rope[slot, ring].to(k_pe.dtype), k_pe[fresh]])
+            dst = self.pool_rows(block_table, torch.arange(q_lo, q_hi, device=dev))
+            self.content.write(dst, src_c)
+            self.rope.write(dst, src_r)
+        # New tokens that stay protected: sink positions and the last `recent` positions.
+        pos = torch.arange(L, new_len, device=dev)
+        keep = (pos < self.sink) | (pos >= max(self.sink, new_len - self.recent))
+        if self.window and keep.any():
+            pos = pos[keep]
+            rows = self.protected_row(pos)
+            self.protected_content[slot, rows] = c[pos - L].to(torch.bfloat16)
+            self.protected_rope[slot, rows] = k_pe[pos - L].to(torch.bfloat16)
+
+    def append_decode(
+        self,
+        slots: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        c: torch.Tensor,
+        k_pe: torch.Tensor,
+    ) -> None:
+        """Append one token per sequence for a decode step, batched, with fixed shapes.
+
+        slots [B] int, block_tables [B, max_blocks] int32, seq_lens [B] int (lengths *before* the token),
+        c [B, dc], k_pe [B, dr]. The token leaving the window (position L - recent) shares its ring row with
+        the new token, so it is read and quantized first. A sequence with nothing to evict quantizes its new
+        token into the pool row of position max(L - recent, 0) instead: a row no reader looks at yet (a sink
+        position's, or one rewritten with the real token when it leaves the window), which keeps every shape
+        independent of the data. (`quantize()` checks its input for NaN, which costs one host sync.)
+        """
+        L, slots = seq_lens.long(), slots.long()
+        if self.recent:
+            ev = L - self.recent
+            evict = (ev >= self.sink)[:, None]
+            ring = self.protected_row(ev.clamp_min(self.sink))  # the new token's row too, when evicting
+            src_c = torch.where(evict, self.protected_content[slots, ring].to(c.dtype), c)
+            src_r = torch.where(evict, self.protected_rope[slots, ring].to(k_pe.dtype), k_pe)
+            qpos = ev.clamp_min(0)
+        else:  # no ring: the new token is quantized at once (into an unread row while it is a sink token)
+            src_c, src_r, qpos = c, k_pe, L
+        dst = self.pool_rows(block_tables, qpos[:, None])[:, 0]
+        self.content.write(dst, src_c)
+        self.rope.write(dst, src_r)
+        if self.window:
+            # The new token is protected unless recent == 0 and it is past the sink; then its row is
+            # rewritten with what it holds.
+            keep = ((L < self.sink) | (self.recent > 0))[:, None]
+            row = self.protected_row(L).clamp_max(self.window - 1)
+            pc, pr = self.protected_content, self.protected_rope
+            pc[slots, row] = torch.where(keep, c.to(pc.dtype), pc[slots, row])
+            pr[slots, row] = torch.where(keep, k_pe.to(pr.dtype), pr[slots, row])
+
+    # --- readers (the oracle's view) -----------------------------------------------------------------
+
+    def gather(
+        self, slot: int, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dequantized cache of one sequence in position order: (c [L, dc], k_pe [L, dr]) in `dtype`."""
+        dev = self.protected_content.device
+        c = torch.empty(seq_len, self.kv_lora_rank, dtype=dtype, device=dev)
+        r = torch.empty(seq_len, self.rope_dim, dtype=dtype, device=dev)
+        pos = torch.arange(seq_len, device=dev)
+        quant = (pos >= self.sink) & (pos < seq_len - self.recent)
+        if quant.any():
+            rows = self.pool_rows(block_table, pos[quant])
+            c[quant] = self.content.read(rows, dtype)
+            r[quant] = self.rope.read(rows, dtype)
+        prot = ~quant
+        if prot.any():
+            rows = self.protected_row(pos[prot])
+            c[prot] = self.protected_content[slot, rows].to(dtype)
+            r[prot] = self.protected_rope[slot, rows].to(dtype)
+        return c, r
+
+
+def make_block_tables(
+    seq_lens: list[int], block_size: int, num_blocks: int | None = None, shuffle: bool = True, generator=None
+) -> tuple[torch.Tensor, int]:
+    """Give each sequence the blocks it needs, disjoint, in shuffled pool order (a stand-in for the engine's
+    block manager in tests and benchmarks). Returns (block_tables [B, max_blocks] int32, blocks used).
+    Unused table entries are -1; readers never look at them."""
+    need = [-(-max(n, 1) // block_size) for n in seq_lens]
+    total = sum(need)
+    num_blocks = total if num_blocks is None else num_blocks
+    if total > num_blocks:
+        raise ValueError(f"need {total} blocks, pool has {num_blocks}")
+    order = torch.randperm(num_blocks, generator=generator) if shuffle else torch.arange(num_blocks)
+    table = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32)
+    start = 0
+    for i, k in enumerate(need):
+        table[i, :k] = order[start : start + k].to(torch.int32)
+        start += k
+    return table, total

@@ -1,0 +1,539 @@
+"""Absorbed-MLA decode straight from the paged, packed cache: one Triton kernel, its launcher, and the
+plain-torch reference beside them.
+
+Math (per sequence b, head h, over the L cached tokens u; see `quantmla.mla`):
+    s[h, u] = sm_scale * (q~[h] . c[u] + q_pe[h] . k_pe[u])
+    out[h]  = sum_u softmax(s[h])_u c[u]                 (latent space, kv_lora_rank dims)
+    lse[h]  = logsumexp_u s[h, u]                        (natural log; -inf for an empty sequence)
+The cache is a `PagedMLACache` (quantmla.cache.paged): quantized body tokens in pools (int8/int4/int2 with
+fp16 scale + zero per group, fp8 e4m3 with fp32 scale per group, or bf16), protected sink + recent tokens in
+BF16 rows. Both kinds of token go through the same online softmax. kv_lora_rank, rope dims and group sizes
+are compile-time constants (powers of two): 512/64 and MiniCPM3's 256/32 are the same code.
+
+Entry point: `mla_decode(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale,
+max_seq_len=..., out_dtype=...)` -> (out [B, H, dc], lse [B, H]); `decode` is the same function.
+
+Kernel design (flash-decoding):
+  - one program = (head block, split, sequence). A head block holds BLOCK_H heads (all of them for
+    H <= 16), so each cache tile is read and dequantized once for all those heads, and both products
+    (scores and values) are tensor-core `tl.dot`s on bf16 operands with fp32 accumulation;
+  - a sequence's work is counted in BLOCK_N-token tiles (body tiles are page-aligned: one block-table
+    entry per tile, consecutive pool rows, so addresses are a scalar base plus fixed offsets), then the
+    protected rows; the tiles are cut into `num_splits` equal runs. Each program writes its normalized
+    partial output and log-sum-exp, `_combine_kernel` merges them (skipped when num_splits == 1);
+  - dequantization happens on the tile in registers. On the GPU, integer codes go through inline PTX
+    (`_int_dequant_ptx`): bit tricks put each code into a bf16 mantissa and bf16x2 fmas apply scale and
+    zero, 2 instructions per value and no int->float conversions. Elsewhere (the CPU interpreter)
+    the same math is plain Triton. Nibbles are unpacked with `tl.join` + `tl.reshape`, which keeps both
+    nibbles of a byte in one thread: no shuffles; the scale/zero broadcast happens in a [BLOCK_N, groups,
+    bytes-per-group] view of the tile;
+  - every shape is fixed by the launcher's arguments (batch, heads, max_seq_len), lengths are read on the
+    device: no host syncs, no data-dependent allocations, safe to capture in a CUDA graph.
+Measured on an H200 (benchmarks/results/decode_kernel.md): the bf16 kernel streams at 93 % of the
+device-to-device copy bandwidth with 16 heads (B=16, 64K) and reaches ~285 TFLOP/s with 128 heads. The
+quantized kernels do not yet turn their 3.5x fewer bytes into time: INT4 runs at 0.85-0.9x the bf16
+kernel with 16 heads and 0.7-0.8x with 128. Per token an SM spends ~88 cycles, against ~20 for the INT4
+bytes: the dequantized bf16 tile goes through shared memory (written once, read back by both products,
+~3.3 KB/token), every warp re-reads q for the scores (~1.2 KB/token), and 255 registers and ~112 KB of
+shared memory per program leave 8 warps per SM to hide it. Bytes are not the limit (INT2 is no faster
+than INT4). Triton 3.6 cannot keep a computed tile out of shared memory for both products nor feed q to
+wgmma from shared memory; a FlashMLA-style kernel (q in shared memory for wgmma, codes dequantized
+straight into register fragments, producer warps for the loads) is the way past it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:  # the reference works without triton; the kernel needs it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is missing
+    triton = None
+
+from quantmla.cache.paged import PagedMLACache, PagedPath
+
+LOG2E = 1.4426950408889634
+KIND_CODE = {"bf16": 0, "fp8": 1, "int8": 2, "int4": 2, "int2": 2}
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Reference (plain torch, fp64 by default): the oracle for the kernel.
+# ---------------------------------------------------------------------------------------------------------
+
+
+def mla_decode_reference(
+    q_nope_absorbed: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: PagedMLACache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor | None = None,
+    sm_scale: float = 1.0,
+    dtype: torch.dtype = torch.float64,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode on the dequantized cache (via `PagedMLACache.gather`, i.e. `quantmla.quant.dequantize`).
+
+    q_nope_absorbed [B, H, dc], q_pe [B, H, dr]; returns out [B, H, dc] and lse [B, H] in `dtype`.
+    An empty sequence gives out = 0 and lse = -inf.
+    """
+    B, H, dc = q_nope_absorbed.shape
+    slots = torch.arange(B) if slots is None else slots
+    out = torch.zeros(B, H, dc, dtype=dtype, device=q_nope_absorbed.device)
+    lse = torch.full((B, H), -math.inf, dtype=dtype, device=q_nope_absorbed.device)
+    for b in range(B):
+        L = int(seq_lens[b])
+        if L == 0:
+            continue
+        c, k_pe = cache.gather(int(slots[b]), block_tables[b], L, dtype)
+        s = sm_scale * (q_nope_absorbed[b].to(dtype) @ c.T + q_pe[b].to(dtype) @ k_pe.T)  # [H, L]
+        lse[b] = torch.logsumexp(s, dim=-1)
+        out[b] = torch.exp(s - lse[b][:, None]) @ c
+    return out, lse
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Kernel
+# ---------------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """Launch shape.
+
+    block_h: heads per program (a power of two >= 16: tl.dot needs 16 rows); block_n: tokens per tile
+    (clipped to divide the page); num_warps, num_stages: Triton's; scores_t / values_t: compute the
+    scores as c q^T / the values as c^T p^T (tokens or channels as the M dimension of the tensor-core
+    tile) instead of q c^T / p c; asm: dequantize integer codes with inline PTX (GPU only);
+    ctas_per_sm: programs the split count aims to keep resident per SM; min_split: fewest tokens a split
+    is given (each split costs a partial output write and read of block_h * dc * 4 bytes); maxnreg: a
+    register cap per thread (more programs per SM, at the price of spills), None for the compiler's choice.
+    """
+
+    block_h: int = 16
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    scores_t: bool = False
+    values_t: bool = False
+    asm: bool = True
+    ctas_per_sm: int = 2
+    min_split: int = 512
+    maxnreg: int | None = None
+
+
+def default_config(cache: PagedMLACache, num_heads: int) -> KernelConfig:
+    """Launch defaults: the fastest candidates of benchmarks/decode_kernel.py on an H200 at B=16, 64K
+    (benchmarks/results/decode_kernel.md)."""
+    if num_heads <= 16:
+        if cache.content.fmt.kind == "fp8":
+            return KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=2)
+        return KernelConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, ctas_per_sm=2)
+    return KernelConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
+
+
+def _int_dequant_ptx(bits: int) -> str:
+    """PTX for tl.inline_asm_elementwise (pack=4): 4 code bytes -> 8/bits bf16 tensors of 4 values each.
+
+    Operands: outputs $0.. (per output tensor k, two b32 registers: elements (0,1) and (2,3)), then the code
+    word (byte e = element e), then bf16x2 pairs of the scale's high part, its low part (scale - high) and
+    the centred zero. `prmt` reorders the bytes to (b0, b2, b1, b3), so one shift + `lop3` puts code k of
+    (b0, b1) or of (b2, b3) into the low mantissa bits of bf16 128.0 (0x4300): 128 + code, exact. Then
+    (128 + code) * 1 - (128 + mid) = code - mid (exact), and two bf16x2 fmas apply the scale (high, then
+    low part: the fp16 scale survives to ~2^-16) and the centred zero z + mid * scale. Centring
+    (mid = 2^(bits-1)) keeps the bf16 rounding of the zero small: the group minimum is a large number, the
+    group centre a small one. 2 codes per 4 instructions, no int->float conversions.
+    """
+    n_out = 8 // bits
+    mask = (1 << bits) - 1
+    mid = 1 << (bits - 1)
+    neg = 0xC300 | mid  # bf16 of -(128 + mid): its ulp is 1, so mid lands in the low mantissa bits
+    w, sh0, sh1, sl0, sl1, z0, z1 = (f"${2 * n_out + i}" for i in range(7))
+    lines = [
+        "{",
+        ".reg .b32 y, t, u, one, m128;",
+        "mov.b32 one, 0x3F803F80;",
+        f"mov.b32 m128, 0x{neg:04X}{neg:04X};",
+        f"prmt.b32 y, {w}, 0, 0x3120;",
+    ]
+    for k in range(n_out):
+        for half, (sh, sl, z) in enumerate(((sh0, sl0, z0), (sh1, sl1, z1))):
+            shift = 8 * half + bits * k  # code k of byte pair (b0,b1) at bit 0, of (b2,b3) at bit 8
+            src = "y"
+            if shift:
+                lines.append(f"shr.u32 t, y, {shift};")
+                src = "t"
+            lines.append(f"lop3.b32 t, {src}, 0x{mask:04X}{mask:04X}, 0x43004300, 0xEA;")  # (x & m) | magic
+            lines.append("fma.rn.bf16x2 t, t, one, m128;")
+            lines.append(f"fma.rn.bf16x2 u, t, {sh}, {z};")
+            lines.append(f"fma.rn.bf16x2 ${2 * k + half}, t, {sl}, u;")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+if triton is not None:
+    _PTX_INT4 = tl.constexpr(_int_dequant_ptx(4))
+    _PTX_INT2 = tl.constexpr(_int_dequant_ptx(2))
+    _CONSTRAINTS_INT4 = tl.constexpr("=r," * 4 + "r,r,r,r,r,r,r")
+    _CONSTRAINTS_INT2 = tl.constexpr("=r," * 8 + "r,r,r,r,r,r,r")
+
+    @triton.jit
+    def _opaque(v):
+        """An identity the compiler cannot see through: without it the dequantization is recomputed once
+        per consumer layout (the two products want the tile in different register layouts)."""
+        return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.bfloat16, is_pure=False, pack=2)
+
+    @triton.jit
+    def _load_tile(
+        codes_ptr,
+        scale_ptr,
+        zero_ptr,
+        row0,
+        valid,
+        DIM: tl.constexpr,
+        KIND: tl.constexpr,
+        BITS: tl.constexpr,
+        GROUP: tl.constexpr,
+        SCALED: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        ASM: tl.constexpr,
+    ):
+        """BLOCK_N consecutive pool rows from row0 (int64) -> bf16 [BLOCK_N, DIM]; invalid rows read as 0.
+        Consecutive rows keep the addresses a scalar base plus loop-invariant offsets. ASM: integer codes
+        are dequantized by `_int_dequant_ptx` (GPU only; the interpreter runs the plain-Triton path)."""
+        rows = row0 + tl.arange(0, BLOCK_N)
+        if KIND == 0:  # bf16 values, used as they are
+            d = tl.arange(0, DIM)
+            x = tl.load(codes_ptr + rows[:, None] * DIM + d[None, :], mask=valid[:, None], other=0.0)
+            return x.to(tl.bfloat16)
+        else:
+            # View the tile as [BLOCK_N, groups, bytes per group] so a group's scale broadcasts over its bytes.
+            NG: tl.constexpr = DIM // GROUP
+            GB: tl.constexpr = GROUP * BITS // 8
+            g = tl.arange(0, NG)
+            j = tl.arange(0, GB)
+            ptr = codes_ptr + rows[:, None, None] * (DIM * BITS // 8) + g[None, :, None] * GB + j[None, None, :]
+            w = tl.load(ptr, mask=valid[:, None, None], other=0)  # uint8 [BLOCK_N, NG, GB]
+            sg = rows[:, None] * NG + g[None, :]
+            if KIND == 1:  # fp8: e4m3 bit patterns times an fp32 group scale
+                v = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                if SCALED:
+                    v = v * tl.load(scale_ptr + sg, mask=valid[:, None], other=0.0)[:, :, None]
+                v = tl.reshape(v, [BLOCK_N, DIM]).to(tl.bfloat16)
+            else:  # asymmetric integers: x = code * scale + zero
+                sc = tl.load(scale_ptr + sg, mask=valid[:, None], other=0.0).to(tl.float32)
+                zr = tl.load(zero_ptr + sg, mask=valid[:, None], other=0.0).to(tl.float32)
+                if ASM and BITS < 8:  # the PTX takes code - mid, so its zero is the group centre z + mid * scale
+                    zc = (zr + (1 << (BITS - 1)) * sc).to(tl.bfloat16)[:, :, None]
+                    s_hi = sc.to(tl.bfloat16)
+                    s_lo = (sc - s_hi.to(tl.float32)).to(tl.bfloat16)[:, :, None]
+                    s_hi = s_hi[:, :, None]
+                    if BITS == 4:  # byte i holds channels 2i (low nibble) and 2i+1 (high nibble)
+                        lo, hi = tl.inline_asm_elementwise(
+                            _PTX_INT4, _CONSTRAINTS_INT4, [w, s_hi, s_lo, zc],
+                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+                        )  # fmt: skip
+                        v = tl.join(lo, hi)
+                    else:  # byte i holds channel 4i+k in bits 2k..2k+1
+                        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                            _PTX_INT2, _CONSTRAINTS_INT2, [w, s_hi, s_lo, zc],
+                            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+                        )  # fmt: skip
+                        v = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+                    v = tl.reshape(v, [BLOCK_N, DIM])
+                else:
+                    w = w.to(tl.int32)
+                    if BITS == 4:
+                        w = tl.reshape(tl.join(w & 15, w >> 4), [BLOCK_N, NG, GROUP])
+                    elif BITS == 2:
+                        w = tl.join(tl.join(w & 3, (w >> 4) & 3), tl.join((w >> 2) & 3, w >> 6))
+                        w = tl.reshape(w, [BLOCK_N, NG, GROUP])
+                    # 0x4B000000 is 2^23 as fp32: OR-ing a code into its mantissa gives 2^23 + code, exact.
+                    f = (w | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
+                    v = tl.reshape(f * sc[:, :, None] + zr[:, :, None], [BLOCK_N, DIM]).to(tl.bfloat16)
+            if ASM:
+                v = _opaque(v)
+            return v
+
+    @triton.jit
+    def _mm(a, b, acc, F32: tl.constexpr):
+        """acc + a @ b on the tensor cores (bf16 in, fp32 out). The CPU interpreter multiplies bf16 as raw
+        integers, so there (F32) the operands are widened first; the values are the same bf16 numbers."""
+        if F32:
+            return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
+        return tl.dot(a, b, acc)
+
+    @triton.jit
+    def _softmax_step(
+        qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T: tl.constexpr, V_T: tl.constexpr, F32: tl.constexpr
+    ):
+        """One tile of the online softmax (base 2): scores, running max/sum rescale, p @ c.
+
+        Scores: S_T=False: s [BH, BN] = q c^T (qn [BH, DC], qp [BH, DR]);
+                S_T=True:  s^T [BN, BH] = c q^T (qn [DC, BH], qp [DR, BH]): the tokens are the M dimension,
+                           so a 64-token tile fills a Hopper tensor-core tile however few the heads.
+        Values: V_T=False: acc [BH, DC] += p c;  V_T=True: acc^T [DC, BH] += c^T p^T.
+        m_i, l_i: [BH] running max (base 2) and sum.
+        """
+        if S_T:
+            s = _mm(c, qn, tl.zeros([c.shape[0], qn.shape[1]], tl.float32), F32)
+            s = _mm(r, qp, s, F32)
+            s = tl.trans(tl.where(valid[:, None], s * qk_scale, float("-inf")))  # [BH, BN]
+        else:
+            s = _mm(qn, tl.trans(c), tl.zeros([qn.shape[0], c.shape[0]], tl.float32), F32)
+            s = _mm(qp, tl.trans(r), s, F32)
+            s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if V_T:
+            acc = _mm(tl.trans(c), tl.trans(p.to(tl.bfloat16)), acc * alpha[None, :], F32)
+        else:
+            acc = _mm(p.to(tl.bfloat16), c, acc * alpha[:, None], F32)
+        return m_new, l_i, acc
+
+    @triton.jit(do_not_specialize=["bt_stride", "H", "num_splits"])
+    def _mla_decode_kernel(
+        qn_ptr,  # [B, H, DC] any float dtype, contiguous
+        qp_ptr,  # [B, H, DR]
+        cc_ptr,  # content pool codes / scale / zero
+        cs_ptr,
+        cz_ptr,
+        rc_ptr,  # rope pool codes / scale / zero
+        rs_ptr,
+        rz_ptr,
+        pc_ptr,  # protected content bf16 [slots, WINDOW, DC]
+        pr_ptr,  # protected rope bf16 [slots, WINDOW, DR]
+        bt_ptr,  # block tables int32 [B, bt_stride]
+        bt_stride,
+        lens_ptr,  # int32 [B]
+        slots_ptr,  # int32 [B]
+        o_ptr,  # [B, num_splits, H, DC] (fp32 partials, or the output when num_splits == 1)
+        lse_ptr,  # fp32 [B, num_splits, H]
+        H,
+        num_splits,
+        qk_scale,  # sm_scale * log2(e)
+        DC: tl.constexpr,
+        DR: tl.constexpr,
+        C_KIND: tl.constexpr,
+        C_BITS: tl.constexpr,
+        C_GROUP: tl.constexpr,
+        C_SCALED: tl.constexpr,
+        R_KIND: tl.constexpr,
+        R_BITS: tl.constexpr,
+        R_GROUP: tl.constexpr,
+        R_SCALED: tl.constexpr,
+        PAGE: tl.constexpr,
+        SINK: tl.constexpr,
+        WINDOW: tl.constexpr,
+        BLOCK_H: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        S_T: tl.constexpr,
+        V_T: tl.constexpr,
+        USE_ASM: tl.constexpr,
+        F32_DOT: tl.constexpr,
+    ):
+        # Head blocks vary fastest, so the programs that share a cache chunk run side by side (L2 reuse).
+        hb = tl.program_id(0)
+        split = tl.program_id(1)
+        b = tl.program_id(2)
+
+        L = tl.load(lens_ptr + b)
+        # Work is counted in tiles of BLOCK_N positions. Body tiles are page-aligned (BLOCK_N divides PAGE),
+        # so a tile is BLOCK_N consecutive rows of one pool block; the first and last are partly masked.
+        n_q = tl.maximum(L - WINDOW, 0)  # quantized tokens: positions SINK .. SINK + n_q - 1
+        q_hi = SINK + n_q
+        t_lo = SINK // BLOCK_N
+        nt_q = tl.where(n_q > 0, tl.cdiv(q_hi, BLOCK_N) - t_lo, 0)
+        nt = nt_q + tl.cdiv(tl.minimum(L, WINDOW), BLOCK_N)
+        per_split = tl.cdiv(nt, num_splits)
+        t_start = split * per_split
+        t_end = tl.minimum(t_start + per_split, nt)
+
+        heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        hmask = heads < H
+        dc = tl.arange(0, DC)
+        dr = tl.arange(0, DR)
+        bh = b * H + heads
+        if S_T:  # [DC, BH]: heads along columns
+            qn = tl.load(qn_ptr + bh[None, :] * DC + dc[:, None], mask=hmask[None, :], other=0.0).to(tl.bfloat16)
+            qp = tl.load(qp_ptr + bh[None, :] * DR + dr[:, None], mask=hmask[None, :], other=0.0).to(tl.bfloat16)
+        else:
+            qn = tl.load(qn_ptr + bh[:, None] * DC + dc[None, :], mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+            qp = tl.load(qp_ptr + bh[:, None] * DR + dr[None, :], mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+        if V_T:
+            acc = tl.zeros([DC, BLOCK_H], tl.float32)
+        else:
+            acc = tl.zeros([BLOCK_H, DC], tl.float32)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+
+        # Quantized body, one block-table entry per tile.
+        bt_row = bt_ptr + b.to(tl.int64) * bt_stride
+        for t in range(t_start, tl.minimum(t_end, nt_q)):
+            pos0 = (t + t_lo) * BLOCK_N
+            pos = pos0 + tl.arange(0, BLOCK_N)
+            valid = (pos >= SINK) & (pos < q_hi)
+            row0 = tl.load(bt_row + pos0 // PAGE).to(tl.int64) * PAGE + pos0 % PAGE
+            c = _load_tile(cc_ptr, cs_ptr, cz_ptr, row0, valid, DC, C_KIND, C_BITS, C_GROUP, C_SCALED, BLOCK_N, USE_ASM)
+            r = _load_tile(rc_ptr, rs_ptr, rz_ptr, row0, valid, DR, R_KIND, R_BITS, R_GROUP, R_SCALED, BLOCK_N, USE_ASM)
+            m_i, l_i, acc = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T, V_T, F32_DOT)
+
+        # Protected BF16 rows (sink + recent ring): the prefix [0, min(L, WINDOW)) of the sequence's slot.
+        if WINDOW > 0:
+            row_base = tl.load(slots_ptr + b).to(tl.int64) * WINDOW
+            n_p = tl.minimum(L, WINDOW)
+            for t in range(tl.maximum(t_start, nt_q) - nt_q, t_end - nt_q):
+                offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
+                valid = offs < n_p
+                row0 = row_base + t * BLOCK_N
+                c = _load_tile(pc_ptr, pc_ptr, pc_ptr, row0, valid, DC, 0, 16, DC, False, BLOCK_N, USE_ASM)
+                r = _load_tile(pr_ptr, pr_ptr, pr_ptr, row0, valid, DR, 0, 16, DR, False, BLOCK_N, USE_ASM)
+                m_i, l_i, acc = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T, V_T, F32_DOT)
+
+        # An empty split (or sequence) stores out = 0, lse = -inf; the combine gives it weight 0.
+        ok = l_i > 0
+        l_safe = tl.where(ok, l_i, 1.0)
+        lse = tl.where(ok, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        row = (b * num_splits + split) * H + heads
+        if V_T:
+            out = acc / l_safe[None, :]
+            tl.store(o_ptr + row[None, :] * DC + dc[:, None], out.to(o_ptr.dtype.element_ty), mask=hmask[None, :])
+        else:
+            out = acc / l_safe[:, None]
+            tl.store(o_ptr + row[:, None] * DC + dc[None, :], out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+        tl.store(lse_ptr + row, lse, mask=hmask)
+
+    @triton.jit(do_not_specialize=["H", "num_splits"])
+    def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, H, num_splits, DC: tl.constexpr):
+        """Merge the splits of one (head, sequence): weights exp(lse_s - max), renormalized."""
+        h = tl.program_id(0)
+        b = tl.program_id(1)
+        row0 = b * num_splits * H + h
+        m = tl.full([], float("-inf"), tl.float32)
+        for i in range(0, num_splits):
+            m = tl.maximum(m, tl.load(plse_ptr + row0 + i * H))
+        m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, lse -inf
+        dc = tl.arange(0, DC)
+        acc = tl.zeros([DC], tl.float32)
+        tot = tl.zeros([], tl.float32)
+        for i in range(0, num_splits):
+            w = tl.exp(tl.load(plse_ptr + row0 + i * H) - m)
+            acc += w * tl.load(po_ptr + (row0 + i * H) * DC + dc)
+            tot += w
+        ok = tot > 0
+        out = acc / tl.where(ok, tot, 1.0)
+        tl.store(o_ptr + (b * H + h) * DC + dc, out.to(o_ptr.dtype.element_ty))
+        tl.store(lse_ptr + b * H + h, tl.where(ok, m + tl.log(tl.where(ok, tot, 1.0)), float("-inf")))
+
+
+def _path_args(path: PagedPath) -> tuple[list[torch.Tensor], tuple[int, int, int, bool]]:
+    """Pool pointers (a stand-in where the format has no scale/zero) and the path's constexprs."""
+    fmt, codes = path.fmt, path.codes
+    scale = path.scale if path.scale is not None else codes
+    zero = path.zero if path.zero is not None else codes
+    group = fmt.group or path.dim
+    if path.dim & (path.dim - 1) or group & (group - 1):
+        raise ValueError(f"the kernel needs power-of-two dims and groups, got dim {path.dim}, group {group}")
+    return [codes, scale, zero], (KIND_CODE[fmt.kind], fmt.bits, group, path.scale is not None)
+
+
+def num_splits_for(batch: int, num_heads: int, max_seq_len: int, cfg: KernelConfig, num_sms: int) -> int:
+    """Splits per sequence: enough programs to keep every SM busy (cfg.ctas_per_sm), but no split shorter
+    than cfg.min_split tokens (each split costs a partial output write and read)."""
+    programs = batch * triton.cdiv(num_heads, cfg.block_h)
+    want = max(1, round(num_sms * cfg.ctas_per_sm / programs))
+    return max(1, min(want, triton.cdiv(max(max_seq_len, 1), cfg.min_split)))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter: pretend to be an H100/H200 so the split logic is exercised
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def mla_decode(
+    q_nope_absorbed: torch.Tensor,
+    q_pe: torch.Tensor,
+    cache: PagedMLACache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor | None = None,
+    sm_scale: float = 1.0,
+    *,
+    max_seq_len: int | None = None,
+    out_dtype: torch.dtype = torch.float32,
+    num_splits: int | None = None,
+    config: KernelConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode one query token per sequence against a `PagedMLACache`.
+
+    q_nope_absorbed [B, H, dc] (W_uk-absorbed queries) and q_pe [B, H, dr] (post-RoPE), bf16 or fp32,
+        contiguous; they are rounded to bf16 for the tensor cores.
+    block_tables [B, max_blocks] int32 (pool block of each page of each sequence; unused entries ignored),
+    seq_lens [B] int32 (cached tokens per sequence, 0 allowed), slots [B] int32 (protected-row slot of each
+        sequence; default arange(B)), sm_scale: softmax scale.
+    max_seq_len: an upper bound on seq_lens, used to size the split; pass it (no host sync) when capturing
+        a CUDA graph; None reads seq_lens.max() (one sync).
+    Returns out [B, H, dc] in out_dtype (fp32 or bf16) and lse [B, H] fp32 (natural log; -inf if L = 0).
+    """
+    if triton is None:
+        raise RuntimeError("mla_decode needs triton; use mla_decode_reference on machines without it")
+    B, H, dc = q_nope_absorbed.shape
+    dr = q_pe.shape[-1]
+    if (dc, dr) != (cache.kv_lora_rank, cache.rope_dim) or q_pe.shape[:2] != (B, H):
+        raise ValueError(f"queries {tuple(q_nope_absorbed.shape)}/{tuple(q_pe.shape)} do not match the cache")
+    dev = q_nope_absorbed.device
+    cfg = config or default_config(cache, H)
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if B else 0
+    if num_splits is None:
+        num_splits = num_splits_for(B, H, max_seq_len, cfg, _sm_count(dev))
+    if slots is None:
+        slots = torch.arange(B, dtype=torch.int32, device=dev)
+    qn, qp = q_nope_absorbed.contiguous(), q_pe.contiguous()
+    out = torch.empty(B, H, dc, dtype=out_dtype, device=dev)
+    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+    if num_splits == 1:
+        part_o, part_lse = out, lse
+    else:
+        part_o = torch.empty(B, num_splits, H, dc, dtype=torch.float32, device=dev)
+        part_lse = torch.empty(B, num_splits, H, dtype=torch.float32, device=dev)
+    c_ptrs, c_const = _path_args(cache.content)
+    r_ptrs, r_const = _path_args(cache.rope)
+    block_n = math.gcd(cfg.block_n, cache.block_size)  # body tiles must not cross a page
+    use_asm = cfg.asm and not _interpreting()
+    grid = (triton.cdiv(H, cfg.block_h), num_splits, B)
+    _mla_decode_kernel[grid](
+        qn, qp, *c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope,
+        block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
+        H, num_splits, sm_scale * LOG2E,
+        dc, dr, *c_const, *r_const, cache.block_size, cache.sink, cache.window,
+        cfg.block_h, block_n, cfg.scores_t, cfg.values_t, use_asm, _interpreting(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+    )  # fmt: skip
+    if num_splits > 1:
+        _combine_kernel[(H, B)](
+            part_o, part_lse, out, lse, H, num_splits, dc, num_warps=4
+        )
+    return out, lse
+
+
+decode = mla_decode  # the engine's entry point

@@ -1,0 +1,226 @@
+"""The paged cache writer and the Triton MLA decode kernel against plain-torch oracles.
+
+Without a GPU the kernel runs under TRITON_INTERPRET=1 (set here, before triton is imported); with one it
+runs for real, and the GPU-only tests (inline-PTX dequantization, CUDA-graph capture) run too.
+"""
+
+import math
+import os
+from dataclasses import replace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+triton = pytest.importorskip("triton", reason="the decode kernel needs triton")
+
+from quantmla.cache.paged import PagedMLACache, make_block_tables  # noqa: E402
+from quantmla.config import CacheConfig  # noqa: E402
+from quantmla.kernels.mla_decode import KernelConfig, default_config, mla_decode, mla_decode_reference  # noqa: E402
+from quantmla.quant.formats import dequantize, quantize  # noqa: E402
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"
+GPU = DEV == "cuda"
+NAN = float("nan")
+
+
+def fill(cfg, dc, dr, lens, page=16, recent=24, sink=4, seed=0, chunks=None):
+    """A cache holding random tokens for sequences of `lens`, NaN in every unused slot, shuffled blocks and
+    permuted slots. Returns (cache, block_tables, seq_lens, slots, c list, k_pe list)."""
+    g = torch.Generator().manual_seed(seed)
+    cfg = CacheConfig(cfg[0], cfg[1], sink=sink, recent=recent)
+    table, used = make_block_tables(lens, page, num_blocks=None, generator=g)
+    nb = used + 3  # spare blocks stay NaN
+    table, _ = make_block_tables(lens, page, num_blocks=nb, generator=g)
+    cache = PagedMLACache.allocate(cfg, dc, dr, nb, len(lens) + 2, block_size=page, device=DEV, fill=NAN)
+    slots = torch.randperm(len(lens) + 2, generator=g)[: len(lens)].to(torch.int32)
+    cs, rs = [], []
+    for i, L in enumerate(lens):
+        c = torch.randn(L, dc, generator=g).bfloat16().to(DEV)
+        r = torch.randn(L, dr, generator=g).bfloat16().to(DEV)
+        pos = 0
+        for n in chunks or [L]:  # several appends exercise the window hand-over
+            n = min(n, L - pos)
+            cache.append(int(slots[i]), table[i].to(DEV), pos, c[pos : pos + n], r[pos : pos + n])
+            pos += n
+        if pos < L:
+            cache.append(int(slots[i]), table[i].to(DEV), pos, c[pos:], r[pos:])
+        cs.append(c)
+        rs.append(r)
+    seq_lens = torch.tensor(lens, dtype=torch.int32, device=DEV)
+    return cache, table.to(DEV), seq_lens, slots.to(DEV), cs, rs
+
+
+def queries(B, H, dc, dr, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(B, H, dc, generator=g).to(DEV), torch.randn(B, H, dr, generator=g).to(DEV)
+
+
+def fake(x, fmt):
+    return dequantize(quantize(x, fmt), fmt, torch.float64)
+
+
+# --- the oracle ----------------------------------------------------------------------------------------------
+
+
+def test_reference_matches_naive_softmax_attention():
+    dc, dr, lens = 64, 32, [0, 3, 30, 61]
+    cache, table, seq_lens, slots, cs, rs = fill(("int4", "int4:32"), dc, dr, lens, recent=8)
+    qn, qp = queries(len(lens), 4, dc, dr)
+    out, lse = mla_decode_reference(qn, qp, cache, table, seq_lens, slots, sm_scale=0.1)
+    for b, L in enumerate(lens):
+        if L == 0:
+            assert torch.all(out[b] == 0) and torch.all(lse[b] == -math.inf)
+            continue
+        # Dequantized tokens built from the inputs, not from the pool.
+        q_pos = (torch.arange(L, device=DEV) >= 4) & (torch.arange(L, device=DEV) < L - 8)
+        c, r = cs[b].double(), rs[b].double()
+        c[q_pos] = fake(cs[b][q_pos], cache.config.content)
+        r[q_pos] = fake(rs[b][q_pos], cache.config.rope)
+        for h in range(4):
+            s = 0.1 * (c @ qn[b, h].double() + r @ qp[b, h].double())
+            p = torch.softmax(s, dim=0)
+            torch.testing.assert_close(out[b, h], p @ c, rtol=1e-10, atol=1e-10)
+            torch.testing.assert_close(lse[b, h], torch.logsumexp(s, 0), rtol=1e-10, atol=1e-10)
+
+
+# --- the paged writer ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("fmts", [("int4", "int4:32"), ("int2", "int4:32"), ("fp8:32", "bf16")])
+def test_pool_holds_quantize_codes_and_window_moves_on_time(fmts):
+    dc, dr, sink, recent, page = 64, 32, 4, 8, 16
+    cfg = CacheConfig(*fmts, sink=sink, recent=recent)
+    table, nb = make_block_tables([60], page, generator=torch.Generator().manual_seed(0))
+    cache = PagedMLACache.allocate(cfg, dc, dr, nb, 2, block_size=page, device=DEV, fill=NAN)
+    table = table[0].to(DEV)
+    c = torch.randn(60, dc, device=DEV).bfloat16()
+    r = torch.randn(60, dr, device=DEV).bfloat16()
+    L = 0
+    for n in [1, 2, 5, 1, 1, 9, 1, 30, 1, 9]:
+        cache.append(1, table, L, c[L : L + n], r[L : L + n])
+        L += n
+        pos = torch.arange(L, device=DEV)
+        quant = (pos >= sink) & (pos < L - recent)
+        rows = cache.pool_rows(table, pos)
+        # Exactly the positions that left the window hold codes, and they are quantize()'s codes.
+        written = ~torch.isnan(cache.content.scale.view(-1, cache.content.scale.shape[-1])[rows, 0].float())
+        assert torch.equal(written, quant), L
+        if quant.any():
+            for path, x in ((cache.content, c[:L][quant]), (cache.rope, r[:L][quant])):
+                want = quantize(x, path.fmt)
+                for pool, val in zip(path.tensors(), want.tensors()):
+                    assert torch.equal(pool.view(-1, pool.shape[-1])[rows[quant]], val.to(pool.dtype))
+        # Protected tokens are exact (bf16) and in the documented rows.
+        prot = pos[~quant]
+        prow = cache.protected_row(prot)
+        assert torch.equal(cache.protected_content[1, prow], c[prot])
+        assert torch.equal(cache.protected_rope[1, prow], r[prot])
+
+
+@pytest.mark.parametrize("cfg", [("int4", "int4:32", 4, 8), ("int2", "bf16", 0, 8), ("int4", "int4:32", 3, 0)])
+def test_decode_writer_matches_bulk_writer(cfg):
+    dc, dr, page, n = 64, 32, 16, 40
+    cc = CacheConfig(cfg[0], cfg[1], sink=cfg[2], recent=cfg[3])
+    tables, nb = make_block_tables([n, n], page)
+    tables = tables.to(DEV)
+    c = torch.randn(2, n, dc, device=DEV).bfloat16()
+    r = torch.randn(2, n, dr, device=DEV).bfloat16()
+    bulk = PagedMLACache.allocate(cc, dc, dr, nb, 2, block_size=page, device=DEV, fill=NAN)
+    step = PagedMLACache.allocate(cc, dc, dr, nb, 2, block_size=page, device=DEV, fill=NAN)
+    for b in range(2):
+        bulk.append(b, tables[b], 0, c[b], r[b])
+    slots = torch.tensor([0, 1], device=DEV)
+    for t in range(n):
+        step.append_decode(slots, tables, torch.full((2,), t, device=DEV), c[:, t], r[:, t])
+    for b in range(2):
+        for x, y in zip(bulk.gather(b, tables[b], n), step.gather(b, tables[b], n)):
+            assert torch.equal(x, y)
+
+
+# --- the kernel ----------------------------------------------------------------------------------------------
+
+# Mixed lengths: empty, shorter than the window, just past it, crossing page boundaries, odd.
+LENS = [0, 7, 29, 33, 50, 97]
+
+
+def check(out, lse, ref_out, ref_lse):
+    scale = ref_out.abs().max().item() + 1e-6
+    # bf16 operands (and, in the interpreter, truncating bf16 conversions) leave ~0.5 % of the output scale.
+    torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=2e-2 * scale)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), fin)
+    torch.testing.assert_close(lse.double()[fin], ref_lse[fin], rtol=5e-3, atol=2e-2)
+
+
+CASES = [
+    # formats, dc, dr, heads, splits, out dtype
+    (("bf16", "bf16"), 512, 64, 16, 1, torch.float32),
+    (("int4", "int4"), 512, 64, 16, 3, torch.float32),
+    (("int2", "int4"), 512, 64, 16, None, torch.bfloat16),
+    (("fp8", "bf16"), 512, 64, 16, 2, torch.float32),
+    (("bf16", "bf16"), 256, 32, 16, 4, torch.float32),
+    (("int4", "int4:32"), 256, 32, 20, 1, torch.float32),
+    (("int2", "int4:32"), 256, 32, 16, 2, torch.float32),
+    (("fp8", "bf16"), 256, 32, 16, 1, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize("fmts,dc,dr,H,splits,odt", CASES, ids=[f"{c[0][0]}-{c[0][1]}-{c[1]}" for c in CASES])
+def test_kernel_matches_reference(fmts, dc, dr, H, splits, odt):
+    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, LENS, chunks=[5, 20, 1])
+    qn, qp = queries(len(LENS), H, dc, dr)
+    cfg = KernelConfig(block_h=16, block_n=16, num_warps=4, num_stages=1)
+    out, lse = mla_decode(qn, qp, cache, table, seq_lens, slots, 0.07, num_splits=splits, out_dtype=odt, config=cfg)
+    assert out.dtype == odt and out.shape == (len(LENS), H, dc) and lse.shape == (len(LENS), H)
+    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.07))
+
+
+@pytest.mark.parametrize("scores_t,values_t", [(False, True), (True, False), (True, True)])
+def test_kernel_orientations(scores_t, values_t):
+    dc, dr = 256, 32
+    cache, table, seq_lens, slots, _, _ = fill(("int4", "int4:32"), dc, dr, [0, 40, 97])
+    qn, qp = queries(3, 16, dc, dr)
+    cfg = KernelConfig(block_h=16, block_n=16, num_stages=1, scores_t=scores_t, values_t=values_t)
+    out, lse = mla_decode(qn, qp, cache, table, seq_lens, slots, 0.07, num_splits=2, config=cfg)
+    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.07))
+
+
+GPU_CASES = [
+    ("bf16", "bf16", True),
+    ("int4", "int4", True),
+    ("int2", "int4", True),
+    ("fp8", "bf16", True),
+    ("int4", "int4", False),  # the plain-Triton dequantization, on the GPU
+]
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU: real tile shapes, inline-PTX dequantization, CUDA graphs")
+@pytest.mark.parametrize("content,rope,asm", GPU_CASES)
+def test_kernel_gpu_default_configs(content, rope, asm):
+    """The launch defaults at serving shapes (page 64, window 4 + 128), both head classes."""
+    dc, dr, lens = 512, 64, [0, 1, 131, 133, 700, 4097]
+    cache, table, seq_lens, slots, _, _ = fill((content, rope), dc, dr, lens, page=64, recent=128)
+    for H in (16, 128):
+        qn, qp = (q.bfloat16() for q in queries(len(lens), H, dc, dr))
+        cfg = replace(default_config(cache, H), asm=asm)
+        out, lse = mla_decode(qn, qp, cache, table, seq_lens, slots, 0.05, config=cfg)
+        check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU")
+def test_kernel_cuda_graph_replay():
+    dc, dr, lens = 512, 64, [5, 300, 1000]
+    cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), dc, dr, lens, page=64, recent=128)
+    qn, qp = (q.bfloat16() for q in queries(3, 16, dc, dr))
+    lens_dev = seq_lens.clone()
+    mla_decode(qn, qp, cache, table, lens_dev, slots, 0.05, max_seq_len=1000)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = mla_decode(qn, qp, cache, table, lens_dev, slots, 0.05, max_seq_len=1000)
+    for new in ([5, 300, 1000], [0, 299, 777]):
+        lens_dev.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        check(out, lse, *mla_decode_reference(qn, qp, cache, table, lens_dev, slots, 0.05))
