@@ -33,6 +33,26 @@ from quantmla.models import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
+# The accuracy table of issue 4: every method at INT4/INT4, then INT2/INT4, then content-only INT4.
+ACCURACY = (
+    "bf16,fp8,fp8-content,rtn@int4/int4,fp4,turboquant,kivi@int4/int4,quarot@int4/int4,smoothquant@int4/int4,"
+    "quantmla@int4/int4,"
+    "rtn@int2/int4,kivi@int2/int4,quarot@int2/int4,smoothquant@int2/int4,quantmla@int2/int4,"
+    "rtn-content@int4/bf16,kivi@int4/bf16,quarot@int4/bf16,smoothquant@int4/bf16,quantmla@int4/bf16"
+)
+
+
+def parse_rows(text: str) -> list[tuple[str, MethodArgs]]:
+    """'method' or 'method@CONTENT/ROPE', comma-separated."""
+    rows = []
+    for spec in (r.strip() for r in text.split(",") if r.strip()):
+        method, _, formats = spec.partition("@")
+        if method not in METHODS:
+            raise SystemExit(f"unknown method {method!r}; known: {', '.join(METHODS)}")
+        content, _, rope = formats.partition("/")
+        rows.append((method, MethodArgs(content or None, rope or None)))
+    return rows
+
 
 def markdown(results: list[dict], meta: dict) -> str:
     s = meta["settings"]
@@ -71,14 +91,15 @@ def markdown(results: list[dict], meta: dict) -> str:
         "",
         "## Methods",
         "",
-        "| method | content | rope | sink+recent | bytes/token | % of BF16 | body B/token | ppl | KL | "
-        + " | ".join(cols) + " |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(cols),
+        "| method | content | rope | sink+recent | bytes/token | % of BF16 | body B/token | online FLOPs/token | ppl "
+        "| KL | " + " | ".join(cols) + " |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(cols),
     ]
     for r in results:
         acc = [f"{100 * r['niah'][t][str(n)]:.1f}" for t in tasks for n in lengths]
         lines.append(f"| {r['method']} | {r['content']} | {r['rope']} | {r['sink']}+{r['recent']} | "
                      f"{r['bytes_per_token']:.1f} | {r['percent_of_bf16']:.1f} | {r['bytes_per_token_body']} | "
+                     f"{r.get('costs', {}).get('online_flops_per_token', 0) or '-'} | "
                      f"{r['ppl']:.4f} | {r['kl']:.2e} | " + " | ".join(acc) + " |")
     lines += ["", "Needle columns: accuracy in % per task and length."]
     return "\n".join(lines) + "\n"
@@ -87,7 +108,9 @@ def markdown(results: list[dict], meta: dict) -> str:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="checkpoint directory (default: the shipped default model)")
-    ap.add_argument("--methods", default=",".join(METHODS), help="comma-separated (default: all)")
+    ap.add_argument("--methods", default=",".join(METHODS),
+                    help="comma-separated METHOD or METHOD@CONTENT/ROPE (default: every method at its defaults); "
+                         "'accuracy' = the issue-4 table: every method at int4/int4, int2/int4, int4/bf16")
     ap.add_argument("--lengths", default="512,2048", help="needle lengths; ppl/kl windows use the longest")
     ap.add_argument("--samples", type=int, default=4, help="ppl/kl windows and needle samples per cell")
     ap.add_argument("--scored", type=int, default=256, help="scored tokens per ppl/kl window")
@@ -106,10 +129,7 @@ def main(argv=None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
-    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    for m in methods:
-        if m not in METHODS:
-            raise SystemExit(f"unknown method {m!r}; known: {', '.join(METHODS)}")
+    rows = parse_rows(ACCURACY if args.methods == "accuracy" else args.methods)
     settings = EvalSettings(lengths=tuple(int(v) for v in args.lengths.split(",")), samples=args.samples,
                             scored=args.scored, seed=args.seed, batch=args.batch)
     model_dir = resolve_model_dir(args.model)
@@ -119,11 +139,19 @@ def main(argv=None) -> int:
     windows = heldout_windows(tokenizer, model.config.vocab_size, max(settings.lengths), settings.samples)
     reference = reference_logprobs(model, windows, settings)
     results = []
-    for m in methods:
-        r = evaluate(model, tokenizer, m, MethodArgs(), settings, reference=reference).to_dict()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    for m, method_args in rows:
+        r = evaluate(model, tokenizer, m, method_args, settings, reference=reference).to_dict()
         print(f"{m:12s} {r['content']:>7s}/{r['rope']:<7s} {r['bytes_per_token']:7.1f} B/token  ppl "
               f"{r['ppl']:.4f}  kl {r['kl']:.3e}  niah {r['niah']}  ({r['seconds']:.0f} s)", flush=True)
         results.append(r)
+        write(out, results, args, argv, model_dir, t0)
+    return 0
+
+
+def write(out: Path, results: list[dict], args, argv, model_dir: Path, t0: float) -> None:
+    """Rewritten after every method, so a run cut short still leaves what it measured."""
     meta = {
         "model": str(model_dir.relative_to(Path.cwd()) if model_dir.is_relative_to(Path.cwd()) else model_dir),
         "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -133,12 +161,8 @@ def main(argv=None) -> int:
         "torch": torch.__version__, "seconds": time.perf_counter() - t0, "settings": results[0]["settings"],
     }
     results = json.loads(json.dumps(results))  # as stored: needle lengths become string keys
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
     out.with_suffix(".md").write_text(markdown(results, meta))
-    print(f"wrote {out}.json and {out}.md")
-    return 0
 
 
 if __name__ == "__main__":

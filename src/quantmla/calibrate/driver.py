@@ -110,7 +110,7 @@ def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg:
     input_ids [N, T]: calibration sequences (half fit the transforms, half judge them).
     """
     cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
-    hidden, kwargs = _first_layer_inputs(model, input_ids)
+    hidden, kwargs = _first_layer_inputs(model, input_ids.to(next(model.parameters()).device))
     prefix = layers[0].module.split(".layers.")[0] + ".layers."
     reports = []
     bar = tqdm(list(enumerate(decoder_layers(model))), desc="calibrating layers", disable=not progress)

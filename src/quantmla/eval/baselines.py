@@ -136,7 +136,8 @@ def calibration_ids(model: nn.Module, samples: int, length: int) -> torch.Tensor
     source = getattr(model.config, "_name_or_path", "") or ""
     tokenizer = tokenizer_for(source) if source and Path(source).is_dir() else None
     length = min(length, getattr(model.config, "max_position_embeddings", length) or length)
-    return token_windows(encode(read_text(None), tokenizer, model.config.vocab_size), length, samples)
+    ids = token_windows(encode(read_text(None), tokenizer, model.config.vocab_size), length, samples)
+    return ids.to(next(model.parameters()).device)
 
 
 @torch.no_grad()
