@@ -222,6 +222,33 @@ def cmd_lm_eval(args) -> None:
     cli_evaluate()
 
 
+# ---------------------------------------------------------------- demo
+def cmd_demo(args) -> None:
+    from quantmla.data import resolve_model_dir
+    from quantmla.demo import DemoSettings, run_demo
+    from quantmla.eval.suite import EvalSettings
+
+    model_dir = resolve_model_dir(args.model)
+    settings = DemoSettings(calib_steps=args.steps,
+                            eval=EvalSettings(lengths=_int_list(args.lengths, "--lengths"), samples=args.samples,
+                                              scored=128, batch=8))
+    console.rule(f"quantmla demo on {model_dir.name}")
+    rows = run_demo(model_dir, Path(args.out), settings, log=lambda m: console.print(f"[bold]>[/] {m}"))
+    lengths = settings.eval.lengths
+    table = Table(title=f"{model_dir.name}: cache methods (KL and perplexity on held-out text, needles greedy)")
+    for col in ("method", "content", "rope", "bytes/token/layer", "% of BF16", "KL to BF16", "ppl",
+                *(f"{t} {n}" for t in ("single", "multikey", "multivalue") for n in lengths)):
+        table.add_column(col, justify="right")
+    for label, r in rows:
+        d = r.to_dict()
+        table.add_row(label, r.content, r.rope, f"{r.bytes_per_token:.0f}", f"{d['percent_of_bf16']:.1f}",
+                      f"{r.kl:.2e}", f"{r.ppl:.4f}",
+                      *(f"{100 * r.niah[t][n]:.0f}%" for t in ("single", "multikey", "multivalue") for n in lengths))
+    console.print(table)
+    _write_json(str(Path(args.out) / "demo.json"),
+                {"model": str(model_dir), "rows": [{"label": label, **r.to_dict()} for label, r in rows]})
+
+
 # ---------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -318,6 +345,18 @@ def build_parser() -> argparse.ArgumentParser:
                                    "Needs the eval extra (pip install -e '.[eval]').")
     s.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval (e.g. run --model ...)")
     s.set_defaults(func=cmd_lm_eval)
+    s = sub.add_parser("demo", help="the main job in one go: calibrate, then compare BF16 / RTN / quantmla",
+                       description="On MODEL (default: the shipped model): calibrate quantmla for INT4/INT4 and "
+                                   "INT2/INT4, write the fused checkpoints under --out, and compare a BF16 cache, "
+                                   "round-to-nearest and quantmla on KL, perplexity and needle retrieval. Sized "
+                                   "for a few minutes on a CPU; `quantmla eval` measures the same things at "
+                                   "any size.")
+    s.add_argument("model", nargs="?", help=MODEL_HELP)
+    s.add_argument("--out", default="runs/demo", help="where the calibrated checkpoints go (default runs/demo)")
+    s.add_argument("--lengths", default="1024", help="needle lengths; ppl/kl windows use the longest (default 1024)")
+    s.add_argument("--samples", type=int, default=24, help="held-out windows and needle samples per cell (default 24)")
+    s.add_argument("--steps", type=int, default=60, help="calibration steps per path and layer (default 60)")
+    s.set_defaults(func=cmd_demo)
     return p
 
 
