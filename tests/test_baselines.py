@@ -367,3 +367,12 @@ def test_registered_as_eval_methods():
     assert all(METHODS[name] is fn for name, fn in BASELINES.items())
     model, cfg = apply_method("fp4", _model("minicpm3"))  # fitted: rope is 8 wide there
     assert (str(cfg.content), str(cfg.rope)) == ("fp4", "fp4:8")
+
+
+def test_paged_cache_refuses_what_its_kernel_cannot_serve():
+    from quantmla.cache.paged import PagedMLACache
+
+    with pytest.raises(ValueError, match="online rotation"):
+        PagedMLACache.allocate(CacheConfig("int4", "int4", rope_rotation="hadamard"), 64, 16, num_blocks=2, max_seqs=1)
+    with pytest.raises(ValueError, match="grouped along channels"):
+        PagedMLACache.allocate(CacheConfig("fp4", "fp4"), 64, 16, num_blocks=2, max_seqs=1)

@@ -353,9 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "any size.")
     s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--out", default="runs/demo", help="where the calibrated checkpoints go (default runs/demo)")
-    s.add_argument("--lengths", default="1024", help="needle lengths; ppl/kl windows use the longest (default 1024)")
-    s.add_argument("--samples", type=int, default=24, help="held-out windows and needle samples per cell (default 24)")
-    s.add_argument("--steps", type=int, default=60, help="calibration steps per path and layer (default 60)")
+    s.add_argument("--lengths", default="512", help="needle lengths; ppl/kl windows use the longest (default 512)")
+    s.add_argument("--samples", type=int, default=16, help="held-out windows and needle samples per cell (default 16)")
+    s.add_argument("--steps", type=int, default=40, help="calibration steps per path and layer (default 40)")
     s.set_defaults(func=cmd_demo)
     return p
 

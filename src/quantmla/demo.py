@@ -26,8 +26,10 @@ class DemoSettings:
     formats: tuple[tuple[str, str], ...] = (("int4", "int4"), ("int2", "int4"))
     calib_samples: int = 8
     calib_length: int = 512
-    calib_steps: int = 60
-    eval: EvalSettings = EvalSettings(lengths=(1024,), samples=24, scored=128, batch=8)
+    calib_steps: int = 40
+    sink: int = 4
+    recent: int = 128
+    eval: EvalSettings = EvalSettings(lengths=(512,), samples=16, scored=128, batch=8)
     seed: int = 0
 
 
@@ -45,12 +47,13 @@ def run_demo(model_dir: Path, out_dir: Path, settings: DemoSettings = DemoSettin
     calib = token_windows(encode(read_text(None), tokenizer, model.config.vocab_size),
                           settings.calib_length, settings.calib_samples)
     for content, rope in settings.formats:
-        args = MethodArgs(content, rope)
+        args = MethodArgs(content, rope, settings.sink, settings.recent)
         log(f"RTN {content}/{rope} ...")
         rows.append((f"rtn {content}/{rope}", evaluate(model, tokenizer, "rtn", args, settings.eval, reference)))
         log(f"calibrating quantmla {content}/{rope} ({settings.calib_samples} x {settings.calib_length} tokens) ...")
         calibrated = load_model(model_dir)
-        cfg = CacheConfig(content, rope).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
+        cfg = CacheConfig(content, rope, settings.sink, settings.recent).fit(layers[0].kv_lora_rank,
+                                                                             layers[0].rope_dim)
         reports = calibrate_model(calibrated, layers, calib, cfg, settings.calib_steps, settings.seed)
         path = save_calibrated(calibrated, out_dir / f"quantmla-{content}-{rope}", cfg,
                                {"samples": settings.calib_samples, "length": settings.calib_length,

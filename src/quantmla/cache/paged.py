@@ -127,6 +127,8 @@ class PagedMLACache:
         for fmt in (config.content, config.rope):
             if fmt.kind not in PAGED_KINDS or getattr(fmt, "axis", "channel") != "channel":
                 raise ValueError(f"the paged cache stores {', '.join(PAGED_KINDS)} grouped along channels, not {fmt}")
+        if getattr(config, "rope_rotation", ""):
+            raise ValueError(f"the paged cache has no online rotation; {config.rope_rotation!r} would be ignored")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
         all_bf16 = config.content.kind == "bf16" and config.rope.kind == "bf16"
