@@ -1,7 +1,13 @@
+import os
 import warnings
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels run in the interpreter. It must be chosen before anything imports triton
+# (lm-eval and the kernels module do, from other test files), so it is set here, first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # transformers 5.2x warns about the deprecated `past_key_values` spelling; older releases only know it.
 warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)

@@ -373,6 +373,6 @@ def test_paged_cache_refuses_what_its_kernel_cannot_serve():
     from quantmla.cache.paged import PagedMLACache
 
     with pytest.raises(ValueError, match="online rotation"):
-        PagedMLACache.allocate(CacheConfig("int4", "int4", rope_rotation="hadamard"), 64, 16, num_blocks=2, max_seqs=1)
+        PagedMLACache.allocate(CacheConfig("int4", "int4", rope_rotation="hadamard"), 64, 64, num_blocks=2, max_seqs=1)
     with pytest.raises(ValueError, match="grouped along channels"):
-        PagedMLACache.allocate(CacheConfig("fp4", "fp4"), 64, 16, num_blocks=2, max_seqs=1)
+        PagedMLACache.allocate(CacheConfig("fp4", "fp4"), 64, 64, num_blocks=2, max_seqs=1)

@@ -17,7 +17,6 @@ from lm_eval.models.huggingface import HFLM  # noqa: E402
 from lm_eval.tasks import TaskManager  # noqa: E402
 
 from quantmla.cache.quant_cache import QuantMLACache  # noqa: E402
-from quantmla.data import DEFAULT_MODEL_DIR  # noqa: E402
 from quantmla.eval.lm_eval_bridge import QuantMLALM  # noqa: E402
 from quantmla.models.tiny import tiny_model  # noqa: E402
 
@@ -104,7 +103,6 @@ def test_local_tasks_through_the_registered_model(tiny_dir):
     assert out["results"]["quantmla_code_mc"]["sample_len"] == 6
 
 
-@pytest.mark.skipif(not (DEFAULT_MODEL_DIR / "config.json").is_file(), reason="the default model is not shipped yet")
 def test_default_model_retrieves_needles_through_lm_eval():
     out = lm_eval.simple_evaluate(
         model="quantmla", model_args="method=rtn,content=int4,rope=int4,device=cpu,dtype=float32",
