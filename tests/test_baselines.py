@@ -41,12 +41,7 @@ FAMILIES = ["deepseek_v2", "deepseek_v3", "longcat_flash", "minicpm3"]  # every 
 FAST_CALIBRATION = Calibration(samples=2, length=64, steps=2)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: threads only add overhead on a small machine
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
 
 def rel(a, b):

@@ -19,14 +19,7 @@ FAMILIES = list(TINY_FAMILIES)
 DC, DR = 32, 16  # tiny kv_lora_rank and rope dim (minicpm3: 8); groups of 8 divide both
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    # The tiny models gain nothing from intra-op threads; on a busy 2-core machine spinning OpenMP workers made
-    # this file ~8x slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny models: threads only add overhead
 
 
 @lru_cache(maxsize=None)
