@@ -59,13 +59,13 @@ def absorb_queries(q_nope: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
     return torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)
 
 
-def latent_attention(q_abs, q_pe, c, k_pe, scale: float, causal: bool = True):
+def latent_attention(q_abs, q_pe, c, k_pe, scale: float, causal: bool = True, dtype: torch.dtype = torch.float32):
     """Softmax attention over the cache in latent space.
 
     q_abs [B, H, T, dc], q_pe [B, H, T, dr], c [B, S, dc], k_pe [B, S, dr]; queries are the last T of the S
-    positions when causal. Returns (latent output [B, H, T, dc], log-sum-exp [B, H, T]), in fp32.
+    positions when causal. Returns (latent output [B, H, T, dc], log-sum-exp [B, H, T]), in `dtype`.
     """
-    q_abs, q_pe, c, k_pe = (t.float() for t in (q_abs, q_pe, c, k_pe))
+    q_abs, q_pe, c, k_pe = (t.to(dtype) for t in (q_abs, q_pe, c, k_pe))
     scores = scale * (torch.einsum("bhtc,bsc->bhts", q_abs, c) + torch.einsum("bhtr,bsr->bhts", q_pe, k_pe))
     if causal:
         t, s = scores.shape[-2:]

@@ -56,6 +56,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 from quantmla.cache.paged import PagedMLACache, PagedPath
+from quantmla.mla import latent_attention
 
 LOG2E = 1.4426950408889634
 KIND_CODE = {"bf16": 0, "fp8": 1, "int8": 2, "int4": 2, "int2": 2}
@@ -90,9 +91,9 @@ def mla_decode_reference(
         if L == 0:
             continue
         c, k_pe = cache.gather(int(slots[b]), block_tables[b], L, dtype)
-        s = sm_scale * (q_nope_absorbed[b].to(dtype) @ c.T + q_pe[b].to(dtype) @ k_pe.T)  # [H, L]
-        lse[b] = torch.logsumexp(s, dim=-1)
-        out[b] = torch.exp(s - lse[b][:, None]) @ c
+        o, l = latent_attention(q_nope_absorbed[b][None, :, None], q_pe[b][None, :, None], c[None], k_pe[None],
+                                sm_scale, causal=False, dtype=dtype)
+        out[b], lse[b] = o[0, :, 0], l[0, :, 0]
     return out, lse
 
 
