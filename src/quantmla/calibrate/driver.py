@@ -18,6 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from quantmla.calibrate.content import calibrate_content
+from quantmla.capture import attention_hooks
 from quantmla.calibrate.rope import calibrate_rope
 from quantmla.config import CacheConfig
 from quantmla.mla import absorb_queries, project_cache, project_queries, split_kv_b
@@ -117,21 +118,13 @@ def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg:
     for i, block in bar:
         mine = [l for l in layers if l.module.startswith(f"{prefix}{i}.")]
         seen = {}
-
-        def grab(mod, args, kw, idx):
-            seen[idx] = (kw.get("hidden_states", args[0] if args else None), kw.get("position_embeddings"))
-
-        hooks = [attention_module(model, l).register_forward_pre_hook(
-            lambda mod, args, kw, idx=l.cache_idx: grab(mod, args, kw, idx), with_kwargs=True) for l in mine]
-        try:
+        with attention_hooks(model, mine, seen):
             out = block(hidden, **kwargs)
-        finally:
-            for h in hooks:
-                h.remove()
         for l in mine:
             attn = attention_module(model, l)
-            h_in, pe = seen[l.cache_idx]
-            content, rope, report = calibrate_attention(attn, l, h_in, pe, cfg, steps, seed + l.cache_idx)
+            k = seen[l.cache_idx]
+            content, rope, report = calibrate_attention(attn, l, k.hidden, k.position_embeddings, cfg, steps,
+                                                        seed + l.cache_idx)
             if content is not None:
                 fold_content(attn, l, content)
             if rope is not None:
