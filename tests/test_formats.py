@@ -166,6 +166,19 @@ def test_out_of_fp16_range_raises(kind):
         quantize(torch.full((1, 64), 7e4), QuantFormat(kind, 32))
 
 
+@pytest.mark.parametrize("spec", ["fp8:32", "int8:32", "int4:32", "int2:32", "fp4", "lm3", "int4:t16"])
+def test_unchecked_quantize_is_the_same_minus_the_checks(spec):
+    """checked=False (the CUDA-graph writer) gives the same bytes on good input and lets bad input through."""
+    fmt = QuantFormat.parse(spec)
+    x = torch.randn(32, 64) * 3
+    for a, b in zip(quantize(x, fmt).tensors(), quantize(x, fmt, checked=False).tensors()):
+        assert torch.equal(a, b)
+    x[3, 7] = float("nan")
+    with pytest.raises(ValueError, match="non-finite"):
+        quantize(x, fmt)
+    quantize(x, fmt, checked=False)
+
+
 @pytest.mark.parametrize("kind", ["fp8", "int8", "int4", "int2"])
 def test_group_must_divide_dim(kind):
     with pytest.raises(ValueError, match="group 32 does not divide its 48 channels"):

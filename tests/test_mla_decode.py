@@ -224,3 +224,48 @@ def test_kernel_cuda_graph_replay():
         lens_dev.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         check(out, lse, *mla_decode_reference(qn, qp, cache, table, lens_dev, slots, 0.05))
+
+
+@pytest.mark.skipif(not GPU, reason="needs a GPU: CUDA graphs and the CUDA sync checker")
+def test_decode_step_writer_and_kernel_in_one_cuda_graph():
+    """An engine's decode step — append the new token (unchecked: no host sync), attend over the grown
+    cache — captured once as a CUDA graph and replayed step after step, equals the eager checked writer
+    plus the reference; the checked writer is the one that syncs."""
+    dc, dr, lens, steps = 512, 64, [3, 130, 140], 6  # a sink token joins, the window starts to move
+    mk = lambda: fill(("int4", "int4"), dc, dr, lens, page=64, recent=128)  # noqa: E731 (same seed: same cache)
+    cache, table, seq_lens, slots, _, _ = mk()
+    eager, *_ = mk()
+    g = torch.Generator().manual_seed(5)
+    qn, qp = (q.bfloat16() for q in queries(3, 16, dc, dr))
+    c_in = torch.zeros(3, dc, dtype=torch.bfloat16, device=DEV)
+    r_in = torch.zeros(3, dr, dtype=torch.bfloat16, device=DEV)
+    lens_dev, lens_after = seq_lens.clone(), seq_lens.clone()
+
+    def step(cache):
+        cache.append_decode(slots, table, lens_dev, c_in, r_in, checked=False)
+        lens_after.copy_(lens_dev + 1)
+        return mla_decode(qn, qp, cache, table, lens_after, slots, 0.05, max_seq_len=512)
+
+    scratch, *_ = mk()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            scratch.append_decode(slots, table, lens_dev, c_in, r_in)  # checked: reads the data on the host
+        step(scratch)  # compiles the kernel, and must not sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = step(cache)
+    for _ in range(steps):
+        new_c = torch.randn(3, dc, generator=g).bfloat16().to(DEV)
+        new_r = torch.randn(3, dr, generator=g).bfloat16().to(DEV)
+        c_in.copy_(new_c)
+        r_in.copy_(new_r)
+        graph.replay()
+        eager.append_decode(slots, table, lens_dev, new_c, new_r)
+        lens_dev += 1
+        check(out, lse, *mla_decode_reference(qn, qp, eager, table, lens_dev, slots, 0.05))
+    for a, b in zip(cache.content.tensors() + cache.rope.tensors(), eager.content.tensors() + eager.rope.tensors()):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))

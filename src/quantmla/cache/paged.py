@@ -61,9 +61,10 @@ class PagedPath:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.scale, self.zero) if t is not None]
 
-    def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
-        """Quantize x [n, dim] with `quantize()` and store it at flat pool rows [n] (block * P + offset)."""
-        p = quantize(x, self.fmt, "cache")
+    def write(self, rows: torch.Tensor, x: torch.Tensor, checked: bool = True) -> None:
+        """Quantize x [n, dim] with `quantize()` and store it at flat pool rows [n] (block * P + offset).
+        checked=False: no value checks, so no host sync (see `quantize`)."""
+        p = quantize(x, self.fmt, "cache", checked)
         for pool, val in zip(self.tensors(), p.tensors()):
             pool.view(-1, pool.shape[-1])[rows] = val.to(pool.dtype)
 
@@ -212,6 +213,7 @@ class PagedMLACache:
         seq_lens: torch.Tensor,
         c: torch.Tensor,
         k_pe: torch.Tensor,
+        checked: bool = True,
     ) -> None:
         """Append one token per sequence for a decode step, batched, with fixed shapes.
 
@@ -220,7 +222,9 @@ class PagedMLACache:
         the new token, so it is read and quantized first. A sequence with nothing to evict quantizes its new
         token into the pool row of position max(L - recent, 0) instead: a row no reader looks at yet (a sink
         position's, or one rewritten with the real token when it leaves the window), which keeps every shape
-        independent of the data. (`quantize()` checks its input for NaN, which costs one host sync.)
+        independent of the data. `quantize()` checks its input for NaN and range, which reads it on the host;
+        checked=False skips that: no host sync, so the step can be captured in a CUDA graph (the caller
+        vouches for finite inputs).
         """
         L, slots = seq_lens.long(), slots.long()
         if self.recent:
@@ -233,8 +237,8 @@ class PagedMLACache:
         else:  # no ring: the new token is quantized at once (into an unread row while it is a sink token)
             src_c, src_r, qpos = c, k_pe, L
         dst = self.pool_rows(block_tables, qpos[:, None])[:, 0]
-        self.content.write(dst, src_c)
-        self.rope.write(dst, src_r)
+        self.content.write(dst, src_c, checked)
+        self.rope.write(dst, src_r, checked)
         if self.window:
             # The new token is protected unless recent == 0 and it is past the sink; then its row is
             # rewritten with what it holds.

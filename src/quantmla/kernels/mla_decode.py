@@ -32,12 +32,13 @@ Kernel design (flash-decoding):
 Measured on an H200 (benchmarks/results/decode_kernel.md): the bf16 kernel streams at 93 % of the
 device-to-device copy bandwidth with 16 heads (B=16, 64K) and reaches ~285 TFLOP/s with 128 heads. The
 quantized kernels do not yet turn their 3.5x fewer bytes into time: INT4 runs at 0.85-0.9x the bf16
-kernel with 16 heads and 0.7-0.8x with 128. Per token an SM spends ~88 cycles, against ~20 for the INT4
-bytes: the dequantized bf16 tile goes through shared memory (written once, read back by both products,
-~3.3 KB/token), every warp re-reads q for the scores (~1.2 KB/token), and 255 registers and ~112 KB of
-shared memory per program leave 8 warps per SM to hide it. Bytes are not the limit (INT2 is no faster
-than INT4). Triton 3.6 cannot keep a computed tile out of shared memory for both products nor feed q to
-wgmma from shared memory; a FlashMLA-style kernel (q in shared memory for wgmma, codes dequantized
+kernel with 16 heads and 0.7-0.8x with 128. Nsight Compute (benchmarks/results/decode_kernel_ncu.md) puts
+INT4 at 16 heads at 78 SM cycles per cached token (bf16: 63; 2.8x would need 22.5) with DRAM 21 % busy:
+47.5 of those cycles are shared-memory wavefronts (the dequantized bf16 tile is stored once and read back
+by both products, every warp re-reads q), and 255 registers per thread leave 2 warps per scheduler to
+hide the latency of the rest. Bytes are not the limit (INT2 is no faster than INT4). Triton 3.6 cannot keep
+a computed tile out of shared memory for both products, and with 16 heads it issues mma.sync (wgmma needs
+64 rows), so every warp loads all of q for its slice of tokens; a FlashMLA-style kernel (q in shared memory for wgmma, codes dequantized
 straight into register fragments, producer warps for the loads) is the way past it.
 """
 

@@ -93,12 +93,12 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return unpack_bits(packed, 4)
 
 
-def _int_scale_zero(x: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _int_scale_zero(x: torch.Tensor, bits: int, group: int, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     g = x.float().unflatten(-1, (-1, group))
     lo, hi = g.amin(-1), g.amax(-1)
     # Round the fp16 scale up so the group maximum still maps inside the code range after storage.
     scale = ((hi - lo) / (2**bits - 1) * (1 + 2**-10)).clamp_min(2**-24)
-    if (scale > 6e4).any() or (lo.abs() > 6e4).any():
+    if checked and ((scale > 6e4).any() or (lo.abs() > 6e4).any()):
         raise ValueError("cannot quantize: values exceed the fp16 range of the scales (|x| > 6e4)")
     # Below 2^-14 fp16 is subnormal and may round down by far more than the 2^-10 margin; step such scales
     # up to the next fp16 value so the group maximum still fits (tiny ranges would otherwise clip).
@@ -115,10 +115,10 @@ def _e4m3_at_least(s: torch.Tensor) -> torch.Tensor:
     return bits + (bits.view(torch.float8_e4m3fn).float() < s).to(torch.uint8)
 
 
-def _quantize_fp4(x: torch.Tensor, group: int) -> Packed:
+def _quantize_fp4(x: torch.Tensor, group: int, checked: bool = True) -> Packed:
     g = x.float().unflatten(-1, (-1, group))
     amax = g.abs().amax(-1)
-    if (amax > FP4_MAX * FP8_MAX).any():
+    if checked and (amax > FP4_MAX * FP8_MAX).any():
         raise ValueError(f"cannot quantize to fp4: |x| > {FP4_MAX * FP8_MAX:g} exceeds the e4m3 block scales")
     # Scale rounded up, so the block maximum maps inside +-6 and nothing clips. No per-tensor second scale:
     # blocks with max below 6 * 2^-9 lose resolution (the smallest e4m3 scale).
@@ -158,16 +158,16 @@ def lloyd_max_gaussian(bits: int, iters: int = 1000) -> tuple[tuple[float, ...],
     return tuple(levels), tuple((a + b) / 2 for a, b in zip(levels, levels[1:]))
 
 
-def _rms_scale(g: torch.Tensor) -> torch.Tensor:
+def _rms_scale(g: torch.Tensor, checked: bool = True) -> torch.Tensor:
     rms = g.pow(2).mean(-1).sqrt()
-    if (rms > 6e4).any():
+    if checked and (rms > 6e4).any():
         raise ValueError("cannot quantize: group rms exceeds the fp16 range of the norms (> 6e4)")
     return rms.clamp_min(2**-24).half()
 
 
-def _quantize_codebook(x: torch.Tensor, fmt: QuantFormat) -> Packed:
+def _quantize_codebook(x: torch.Tensor, fmt: QuantFormat, checked: bool = True) -> Packed:
     g = x.float().unflatten(-1, (-1, fmt.group or x.shape[-1]))
-    scale = _rms_scale(g)
+    scale = _rms_scale(g, checked)
     _, thresholds = lloyd_max_gaussian(fmt.bits)
     codes = torch.bucketize(g / scale.float().unsqueeze(-1), torch.tensor(thresholds, device=x.device))
     return Packed(pack_bits(codes.flatten(-2), fmt.bits), scale)
@@ -179,13 +179,13 @@ def _dequantize_codebook(p: Packed, fmt: QuantFormat) -> torch.Tensor:
     return (vals.unflatten(-1, (-1, vals.shape[-1] // p.scale.shape[-1])) * p.scale.float().unsqueeze(-1)).flatten(-2)
 
 
-def _quantize_tokens(x: torch.Tensor, fmt: QuantFormat, what: str) -> Packed:
+def _quantize_tokens(x: torch.Tensor, fmt: QuantFormat, what: str, checked: bool = True) -> Packed:
     """KIVI-style: each channel grouped over blocks of fmt.group tokens (dim -2)."""
     if x.dim() < 2 or x.shape[-2] % fmt.group:
         raise ValueError(f"cannot quantize {what} as {fmt}: needs a multiple of {fmt.group} tokens along dim -2, "
                          f"got shape {tuple(x.shape)}")
     xt = x.transpose(-1, -2)  # [..., dim, n]: the token blocks become the last dim's groups
-    scale, zero = _int_scale_zero(xt, fmt.bits, fmt.group)
+    scale, zero = _int_scale_zero(xt, fmt.bits, fmt.group, checked)
     g = xt.float().unflatten(-1, (-1, fmt.group))
     codes = ((g - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, 2**fmt.bits - 1)
     codes = codes.flatten(-2).transpose(-1, -2)  # [..., n, dim]
@@ -198,19 +198,22 @@ def _dequantize_tokens(p: Packed, fmt: QuantFormat) -> torch.Tensor:
     return out.flatten(-3, -2)
 
 
-def quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor") -> Packed:
+def quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor", checked: bool = True) -> Packed:
     """Quantize along the last dim (token-axis formats: along dim -2, in blocks of fmt.group tokens).
-    Raises ValueError on NaN/Inf or a group that does not divide the dim."""
+    Raises ValueError on NaN/Inf, on values beyond the range of the scales, or on a group that does not
+    divide the dim. checked=False skips the value checks, which read the data on the host (a device sync):
+    for a CUDA graph's decode step, where the caller vouches for its input; NaN then yields garbage codes."""
     fmt.check_dim(x.shape[-1], what)
     if fmt.kind == "bf16":
         return Packed(x)  # passthrough: the protected precision is whatever the model computes in
-    check_finite(x, what)
+    if checked:
+        check_finite(x, what)
     if fmt.axis == "token":
-        return _quantize_tokens(x, fmt, what)
+        return _quantize_tokens(x, fmt, what, checked)
     if fmt.kind == "fp4":
-        return _quantize_fp4(x, fmt.group)
+        return _quantize_fp4(x, fmt.group, checked)
     if fmt.kind in CODEBOOK_KINDS:
-        return _quantize_codebook(x, fmt)
+        return _quantize_codebook(x, fmt, checked)
     if fmt.kind == "fp8":
         if fmt.group == 0:
             return Packed(x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
@@ -219,7 +222,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor") -> Packed:
         codes = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return Packed(codes.view(torch.uint8).flatten(-2), scale)
     bits = fmt.bits
-    scale, zero = _int_scale_zero(x, bits, fmt.group)
+    scale, zero = _int_scale_zero(x, bits, fmt.group, checked)
     g = x.float().unflatten(-1, (-1, fmt.group))
     codes = ((g - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, 2**bits - 1)
     return Packed(pack_bits(codes.flatten(-2), bits), scale, zero)

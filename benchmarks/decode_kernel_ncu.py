@@ -1,0 +1,190 @@
+"""Nsight Compute profile of the decode kernel: where its time goes, for the issue's two target shapes.
+
+    PYTHONPATH=src python benchmarks/decode_kernel_ncu.py [--out benchmarks/results]
+
+Runs itself under `ncu` (which must be on PATH) with one launch of `_mla_decode_kernel` per case —
+bf16 and int4/int4 at 16 and 128 heads, batch 16, 64K context, the launch configs `default_config` picks —
+and writes decode_kernel_ncu.json (every metric ncu returned) and decode_kernel_ncu.md: time, DRAM and SM
+throughput, issue-slot use, warps per scheduler, shared-memory pipe use, tensor pipe use and the stall
+reasons (cycles per issued instruction), i.e. what the benchmark's times are made of.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+CASES = [("bf16", 16), ("int4/int4", 16), ("bf16", 128), ("int4/int4", 128)]
+B, L = 16, 65536
+NCU_PATHS = ["/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/ncu"]
+SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "Occupancy", "SchedulerStats",
+            "WarpStateStats", "LaunchStats"]  # fmt: skip
+STALLS = r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+PIPES = r"regex:sm__pipe_.*(tensor|shared|fma|alu|lsu).*cycles_active\.avg\.pct_of_peak_sustained_active"
+SHARED = r"regex:l1tex__data_pipe_lsu_wavefronts_mem_shared(_op_ld|_op_st)?\.sum(\.pct_of_peak_sustained_elapsed)?$"
+
+
+TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}  # ncu picks the unit
+
+
+def run_cases():
+    """The profiled process: one kernel launch per case (compiled beforehand by a first call outside ncu's
+    filter would still be a launch, so each case launches exactly once)."""
+    import torch
+    from decode_kernel import SCALE, build, queries
+
+    from quantmla.kernels.mla_decode import mla_decode
+
+    for fmt, heads in CASES:
+        cache, tables, seq_lens, slots = build(fmt, B, L)
+        qn, qp = queries(B, heads)
+        mla_decode(qn, qp, cache, tables, seq_lens, slots, SCALE, max_seq_len=L)
+        torch.cuda.synchronize()
+        del cache, tables
+        torch.cuda.empty_cache()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--from-json", metavar="FILE", help="rewrite the markdown table from a saved JSON profile")
+    ap.add_argument("--cases", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
+    args = ap.parse_args()
+    if args.cases:
+        return run_cases()
+    if args.from_json:
+        with open(args.from_json) as fh:
+            saved = json.load(fh)
+        return write_table(args.out, saved["meta"], saved["kernels"])
+    ncu = shutil.which("ncu") or next((p for p in NCU_PATHS if os.path.exists(p)), None)
+    if ncu is None:
+        sys.exit("ncu (Nsight Compute) is not on PATH")
+    cmd = [ncu, "--target-processes", "all", "-k", "regex:^_mla_decode_kernel", "--launch-count", str(len(CASES)),
+           "--csv", "--page", "raw", "--cache-control", "all", "--clock-control", "none"]  # fmt: skip
+    for s in SECTIONS:
+        cmd += ["--section", s]
+    cmd += ["--metrics", ",".join([STALLS, PIPES, SHARED])]
+    cmd += [sys.executable, os.path.abspath(__file__), "--cases"]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    text = res.stdout
+    start = text.find('"ID"')
+    if res.returncode != 0 or start < 0:
+        sys.exit(f"ncu failed ({res.returncode}):\n{res.stdout[-3000:]}\n{res.stderr[-3000:]}")
+    rows = list(csv.reader(io.StringIO(text[start:])))
+    header, units, data = rows[0], rows[1], rows[2:]
+    kernels = []
+    for (fmt, heads), row in zip(CASES, data):
+        metrics = {}
+        for name, unit, value in zip(header, units, row):
+            try:
+                metrics[name] = float(value.replace(",", ""))
+            except ValueError:
+                metrics[name] = value
+        kernels.append({"format": fmt, "heads": heads, "batch": B, "context": L, "units": dict(zip(header, units)),
+                        "metrics": metrics})  # fmt: skip
+    import torch
+
+    meta = {
+        "card": torch.cuda.get_device_name(0),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python"] + sys.argv),
+        "ncu": subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
+        "ncu_command": " ".join(cmd[1:-3]),
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "decode_kernel_ncu.json"), "w") as fh:
+        json.dump({"meta": meta, "kernels": kernels}, fh, indent=1)
+    write_table(args.out, meta, kernels)
+
+
+def write_table(out_dir, meta, kernels):
+    md = table(meta, kernels)
+    with open(os.path.join(out_dir, "decode_kernel_ncu.md"), "w") as fh:
+        fh.write(md)
+    print(md)
+
+
+SUMMARY = [  # (label, metric) — the figures the table shows, when ncu returned them
+    ("time (us)", "gpu__time_duration.sum"),
+    ("DRAM throughput, % of peak", "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed"),
+    ("registers / thread", "launch__registers_per_thread"),
+    ("shared memory / block (KiB)", "launch__shared_mem_per_block_dynamic"),
+    ("blocks / SM (registers, shared-memory limit)", "launch__occupancy_limit_registers"),
+    ("active warps / scheduler", "smsp__warps_active.avg.per_cycle_active"),
+    ("eligible warps / scheduler", "smsp__warps_eligible.avg.per_cycle_active"),
+    ("issue slots busy, %", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
+    ("cycles between a warp's instructions", "smsp__average_warp_latency_per_inst_issued.ratio"),
+    ("tensor pipe busy, %", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
+    ("fp16/bf16 FMA pipe busy (dequantization), %", "sm__inst_executed_pipe_fma_type_fp16.avg.pct_of_peak_sustained_active"),
+    ("shared-memory wavefronts, % of peak", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed"),
+]
+STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
+
+
+def per_token(k, sms: int) -> dict[str, float]:
+    """The profile in units of one cached token (all heads): an SM handles B * L / SMs of them."""
+    m, tokens = k["metrics"], k["batch"] * k["context"]
+    return {
+        "SM cycles per token": m["gpc__cycles_elapsed.max"] * sms / tokens,
+        "warp instructions per token": m["inst_executed"] / tokens,
+        "shared-memory wavefronts per token (an SM serves 1 per cycle)":
+            m["l1tex__data_pipe_lsu_wavefronts_mem_shared.sum"] / tokens,
+    }  # fmt: skip
+
+
+def table(meta, kernels) -> str:
+    cols = [f"{k['format']} H={k['heads']}" for k in kernels]
+    sms = int(kernels[0]["metrics"].get("device__attribute_multiprocessor_count", 132))
+    lines = [
+        "# Nsight Compute profile of the decode kernel",
+        "",
+        f"Card: {meta['card']} ({sms} SMs). Date: {meta['date']}. Nsight Compute {meta['ncu']}. Command: "
+        f"`{meta['command']}` (ncu {meta['ncu_command']}). Batch {B}, context {L}, kv_lora_rank 512, rope 64, "
+        "launch configs of `default_config`; one launch per case, caches flushed, clocks not locked.",
+        "",
+        "| metric | " + " | ".join(cols) + " |",
+        "|---|" + "---:|" * len(cols),
+    ]
+
+    def fmt(v):
+        return (f"{v:.0f}" if v >= 1000 else f"{v:.3g}") if isinstance(v, float) else str(v)
+
+    for label, name in SUMMARY:
+        vals = [k["metrics"].get(name, "") for k in kernels]
+        if name == "gpu__time_duration.sum":
+            vals = [v * TO_US[k["units"][name]] for v, k in zip(vals, kernels)]
+        if name == "launch__shared_mem_per_block_dynamic":
+            vals = [v / 1024 if isinstance(v, float) else v for v in vals]
+        if name == "launch__occupancy_limit_registers":
+            vals = [f"{fmt(v)}, {fmt(k['metrics'].get('launch__occupancy_limit_shared_mem', ''))}"
+                    for v, k in zip(vals, kernels)]  # fmt: skip
+        lines.append(f"| {label} | " + " | ".join(fmt(v) for v in vals) + " |")
+    derived = [per_token(k, sms) for k in kernels]
+    for label in derived[0]:
+        lines.append(f"| {label} | " + " | ".join(fmt(d[label]) for d in derived) + " |")
+    stalls = sorted(
+        {n for k in kernels for n in k["metrics"] if n.startswith(STALL_PREFIX) and n.endswith(STALL_SUFFIX)},
+        key=lambda n: -max(float(k["metrics"].get(n, 0) or 0) for k in kernels),
+    )
+    lines += ["", "Why warps wait: stall reasons in cycles per issued instruction (those above 0.1 anywhere):", "",
+              "| stall | " + " | ".join(cols) + " |", "|---|" + "---:|" * len(cols)]  # fmt: skip
+    for name in stalls:
+        vals = [float(k["metrics"].get(name, 0) or 0) for k in kernels]
+        if max(vals) >= 0.1:
+            short = name.removeprefix(STALL_PREFIX).removesuffix(STALL_SUFFIX)
+            lines.append(f"| {short} | " + " | ".join(fmt(v) for v in vals) + " |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
