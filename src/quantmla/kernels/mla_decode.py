@@ -538,4 +538,4 @@ def mla_decode(
     return out, lse
 
 
-decode = mla_decode  # the engine's entry point
+decode = mla_decode  # the kernel's entry point; quantmla.decode_step.decode_step is a whole layer's step

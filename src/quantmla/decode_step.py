@@ -1,0 +1,59 @@
+"""One MLA layer's decode step over the paged, packed cache: the call an engine makes per layer per step.
+
+    out = decode_step(attn, layer, hidden, position_embeddings, cache, block_tables, seq_lens, slots)
+
+`attn` is the model's own attention module (any family `quantmla.models.adapters.describe` knows) and
+`layer` its `MLALayer`; `hidden` [B, 1, hidden] is the attention's input for the new token of each sequence
+and `position_embeddings` what the model passes its attention for that token. The step
+  1. projects the new token's cache entry (c, k_pe) exactly as the model would cache it and appends it to
+     `cache` (`PagedMLACache.append_decode`: quantized as tokens leave the BF16 window),
+  2. projects the queries, absorbs W_uk into them (q~ = W_uk^T q_nope),
+  3. attends over the grown cache with the Triton kernel (`mla_decode`: dequantization inside),
+  4. applies W_uv and o_proj,
+and returns the attention output [B, 1, hidden], i.e. what `attn(...)[0]` returns for that token.
+With checked=False and max_seq_len given nothing reads device data on the host: the step can be captured
+in a CUDA graph. The plain-torch oracle is `quantmla.mla.attention_from_cache` on `cache.gather(...)`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from quantmla.cache.paged import PagedMLACache
+from quantmla.kernels.mla_decode import mla_decode
+from quantmla.mla import absorb_queries, project_cache, project_queries, split_kv_b
+from quantmla.models.adapters import MLALayer
+
+
+@torch.no_grad()
+def decode_step(
+    attn: nn.Module,
+    layer: MLALayer,
+    hidden: torch.Tensor,
+    position_embeddings,
+    cache: PagedMLACache,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    max_seq_len: int | None = None,
+    checked: bool = True,
+) -> torch.Tensor:
+    """Append the new token of each sequence to `cache` and return the attention output [B, 1, hidden].
+
+    seq_lens [B] int32: tokens cached *before* this step (the kernel then sees seq_lens + 1); block_tables
+    [B, max_blocks] int32 must already cover the new token. max_seq_len bounds seq_lens + 1 (None: read on
+    the host). checked=False skips the writer's NaN/range checks (see `quantmla.quant.formats.quantize`).
+    """
+    if hidden.dim() != 3 or hidden.shape[1] != 1:
+        raise ValueError(f"decode_step takes one new token per sequence: hidden [B, 1, hidden], got {tuple(hidden.shape)}")
+    c, k_pe = project_cache(attn, layer, hidden, position_embeddings)
+    cache.append_decode(slots, block_tables, seq_lens, c[:, 0], k_pe[:, 0], checked=checked)
+    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    w_uk, w_uv = split_kv_b(attn, layer)
+    q_abs = absorb_queries(q_nope.float(), w_uk.float())[:, :, 0]
+    latent, _ = mla_decode(q_abs, q_pe[:, :, 0].float(), cache, block_tables, seq_lens + 1, slots,
+                           layer.softmax_scale, max_seq_len=max_seq_len)  # fmt: skip
+    heads = torch.einsum("bhc,hvc->bhv", latent, w_uv.float()).flatten(1).to(hidden.dtype)
+    return attn.o_proj(heads)[:, None]
