@@ -24,7 +24,7 @@ from quantmla.mla import attention_from_cache  # noqa: E402
 from quantmla.models.adapters import attention_module, describe, query_weight  # noqa: E402
 from quantmla.models.tiny import TINY_FAMILIES, tiny_model  # noqa: E402
 
-B, T, PAGE = 2, 21, 8
+B, T, PAGE = 2, 37, 16  # the INT4 body (positions 2..28) crosses a page
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 
 
@@ -42,6 +42,9 @@ def rel(got, want) -> float:
 def test_decode_step_matches_the_model(family, fmts, one_thread):
     model = tiny_model(family).to(DEV)
     layers = describe(model)
+    if DEV == "cuda" and layers[0].rope_dim < 16:  # tensor-core tiles need 16 (real models have >= 32)
+        model = tiny_model(family, qk_rope_head_dim=16).to(DEV)
+        layers = describe(model)
     with torch.no_grad():  # peaked attention: random tiny models attend almost uniformly, which hides scale bugs
         for layer in layers:
             query_weight(attention_module(model, layer), layer).weight.mul_(8)
@@ -64,10 +67,11 @@ def test_decode_step_matches_the_model(family, fmts, one_thread):
         c, k_pe = (torch.stack(v) for v in zip(*views))
         # The new token is cached as the model caches it (in BF16: the window, or the bf16 pool).
         assert rel(c[:, T], s.c[:, T]) < 4e-3 and rel(k_pe[:, T], s.k_pe[:, T]) < 4e-3
-        # The output: the model's own (BF16 cache) or the oracle's on the dequantized cache (INT4); bf16
-        # operands in the kernel leave ~0.3 %, a 5 % error in the softmax scale ~1-3 %.
+        # The output: the model's own (BF16 cache) or the oracle's on the dequantized cache (INT4). The
+        # kernel's bf16 operands (truncated, in the interpreter) leave 0.1-1 %; a 5 % error in the softmax
+        # scale costs 1.6-3.6 % on the families with the most peaked attention.
         oracle = attention_from_cache(attn, layer, s.hidden[:, T:], pe, c, k_pe)[0]
-        assert rel(out, s.output[:, T:] if fmts[0] == "bf16" else oracle) < 1e-2
+        assert rel(out, s.output[:, T:] if fmts[0] == "bf16" else oracle) < 1.5e-2
         if fmts[0] != "bf16":  # and the INT4 cache is not a no-op: the model's own output is further away
             assert rel(out, s.output[:, T:]) > 2 * rel(out, oracle)
 

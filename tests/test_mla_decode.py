@@ -209,6 +209,14 @@ def test_kernel_gpu_default_configs(content, rope, asm):
         check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
 
 
+@pytest.mark.skipif(not GPU, reason="the interpreter has no tensor-core tile limits to refuse")
+def test_kernel_refuses_tiles_below_16_on_the_gpu():
+    cache, table, seq_lens, slots, _, _ = fill(("int4", "int4:32"), 64, 32, [40], page=8)
+    qn, qp = queries(1, 16, 64, 32)
+    with pytest.raises(ValueError, match="at least 16"):
+        mla_decode(qn, qp, cache, table, seq_lens, slots, 0.05)
+
+
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
 def test_kernel_cuda_graph_replay():
     dc, dr, lens = 512, 64, [5, 300, 1000]

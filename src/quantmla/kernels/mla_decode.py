@@ -520,6 +520,9 @@ def mla_decode(
     c_ptrs, c_const = _path_args(cache.content)
     r_ptrs, r_const = _path_args(cache.rope)
     block_n = math.gcd(cfg.block_n, cache.block_size)  # body tiles must not cross a page
+    if not _interpreting() and min(block_n, dc, dr) < 16:
+        raise ValueError(f"on the GPU the kernel needs pages, kv_lora_rank and rope dims of at least 16 tokens or "
+                         f"channels (tensor-core tiles); got page {cache.block_size}, dims {dc}/{dr}")  # fmt: skip
     use_asm = cfg.asm and not _interpreting()
     grid = (triton.cdiv(H, cfg.block_h), num_splits, B)
     _mla_decode_kernel[grid](
