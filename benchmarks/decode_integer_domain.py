@@ -13,8 +13,9 @@ of them on the bf16 tile; this removes them.
 What happens (H200, triton 3.6, 2026-11-30; results/decode_integer_domain.md): this stripped prototype
 (content path only: no RoPE, zero points, block tables or protected rows; 16 heads, 16 x 64K tokens) takes
 ~600 us, while the full kernel of `quantmla.kernels.mla_decode` takes 356 us for the same tokens with
-everything. Compiled for sm_90a, the batched 3D dot lowers to ~2,400 SASS instructions per 64-token tile
-(the full kernel: ~1,600): byte-to-bf16 expansion (PRMT), shuffles for the transposed operand, and spills.
+everything. Compiled offline for sm_90a (triton 3.9's compiler and ptxas), its loop is ~2,400 SASS
+instructions per 64-token tile against ~1,600 for the full kernel's: byte-to-bf16 expansion (PRMT), shuffles
+for the transposed operand, and register spills.
 """
 
 import torch
