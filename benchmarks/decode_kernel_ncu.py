@@ -125,8 +125,8 @@ SUMMARY = [  # (label, metric) — the figures the table shows, when ncu returne
     ("issue slots busy, %", "smsp__issue_active.avg.pct_of_peak_sustained_active"),
     ("cycles between a warp's instructions", "smsp__average_warp_latency_per_inst_issued.ratio"),
     ("tensor pipe busy, %", "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active"),
-    ("fp16/bf16 FMA pipe busy (dequantization), %", "sm__inst_executed_pipe_fma_type_fp16.avg.pct_of_peak_sustained_active"),
-    ("shared-memory wavefronts, % of peak", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed"),
+    ("bf16 FMA pipe (dequantization), %", "sm__inst_executed_pipe_fma_type_fp16.avg.pct_of_peak_sustained_active"),
+    ("shared wavefronts, % peak", "l1tex__data_pipe_lsu_wavefronts_mem_shared.sum.pct_of_peak_sustained_elapsed"),
 ]
 STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_active.ratio"
 

@@ -47,7 +47,8 @@ def decode_step(
     the host). checked=False skips the writer's NaN/range checks (see `quantmla.quant.formats.quantize`).
     """
     if hidden.dim() != 3 or hidden.shape[1] != 1:
-        raise ValueError(f"decode_step takes one new token per sequence: hidden [B, 1, hidden], got {tuple(hidden.shape)}")
+        raise ValueError(f"decode_step takes one new token per sequence: hidden [B, 1, hidden], "
+                         f"got {tuple(hidden.shape)}")
     c, k_pe = project_cache(attn, layer, hidden, position_embeddings)
     cache.append_decode(slots, block_tables, seq_lens, c[:, 0], k_pe[:, 0], checked=checked)
     q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)

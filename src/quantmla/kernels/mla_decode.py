@@ -38,8 +38,10 @@ INT4 at 16 heads at 78 SM cycles per cached token (bf16: 63; 2.8x would need 22.
 by both products, every warp re-reads q), and 255 registers per thread leave 2 warps per scheduler to
 hide the latency of the rest. Bytes are not the limit (INT2 is no faster than INT4). Triton 3.6 cannot keep
 a computed tile out of shared memory for both products, and with 16 heads it issues mma.sync (wgmma needs
-64 rows), so every warp loads all of q for its slice of tokens; a FlashMLA-style kernel (q in shared memory for wgmma, codes dequantized
-straight into register fragments, producer warps for the loads) is the way past it.
+64 rows), so every warp loads all of q for its slice of tokens; a FlashMLA-style kernel (q in shared
+memory for wgmma, codes dequantized straight into register fragments, producer warps for the loads) is the
+way past it. (Feeding the codes themselves to the tensor cores in Triton was slower still:
+benchmarks/decode_integer_domain.py.)
 """
 
 from __future__ import annotations
