@@ -53,8 +53,9 @@ def decode_step(
     cache.append_decode(slots, block_tables, seq_lens, c[:, 0], k_pe[:, 0], checked=checked)
     q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
     w_uk, w_uv = split_kv_b(attn, layer)
-    q_abs = absorb_queries(q_nope.float(), w_uk.float())[:, :, 0]
-    latent, _ = mla_decode(q_abs, q_pe[:, :, 0].float(), cache, block_tables, seq_lens + 1, slots,
-                           layer.softmax_scale, max_seq_len=max_seq_len)  # fmt: skip
-    heads = torch.einsum("bhc,hvc->bhv", latent, w_uv.float()).flatten(1).to(hidden.dtype)
+    # In the weights' own dtype: no per-step fp32 copies of W_uk / W_uv (the kernel rounds q to bf16 anyway).
+    q_abs = absorb_queries(q_nope, w_uk)[:, :, 0]
+    latent, _ = mla_decode(q_abs, q_pe[:, :, 0], cache, block_tables, seq_lens + 1, slots, layer.softmax_scale,
+                           max_seq_len=max_seq_len)  # fmt: skip
+    heads = torch.einsum("bhc,hvc->bhv", latent.to(w_uv.dtype), w_uv).flatten(1).to(hidden.dtype)
     return attn.o_proj(heads)[:, None]
