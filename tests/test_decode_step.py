@@ -37,9 +37,10 @@ def rel(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
+@pytest.mark.parametrize("kernel", ["triton", "reference"])
 @pytest.mark.parametrize("fmts", [("bf16", "bf16"), ("int4", "int4")])
 @pytest.mark.parametrize("family", list(TINY_FAMILIES))
-def test_decode_step_matches_the_model(family, fmts, one_thread):
+def test_decode_step_matches_the_model(family, fmts, kernel, one_thread):
     model = tiny_model(family).to(DEV)
     layers = describe(model)
     if DEV == "cuda" and layers[0].rope_dim < 16:  # tensor-core tiles need 16 (real models have >= 32)
@@ -62,7 +63,8 @@ def test_decode_step_matches_the_model(family, fmts, one_thread):
         for b in range(B):
             cache.append(int(slots[b]), tables[b], 0, s.c[b, :T], s.k_pe[b, :T])
         pe = at(s.position_embeddings, T)
-        out = decode_step(attn, layer, s.hidden[:, T:], pe, cache, tables, seq_lens, slots, max_seq_len=T + 1)
+        out = decode_step(attn, layer, s.hidden[:, T:], pe, cache, tables, seq_lens, slots, max_seq_len=T + 1,
+                          kernel=kernel)
         views = [cache.gather(int(slots[b]), tables[b], T + 1) for b in range(B)]
         c, k_pe = (torch.stack(v) for v in zip(*views))
         # The new token is cached as the model caches it (in BF16: the window, or the bf16 pool).

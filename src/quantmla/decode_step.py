@@ -8,7 +8,9 @@ and `position_embeddings` what the model passes its attention for that token. Th
   1. projects the new token's cache entry (c, k_pe) exactly as the model would cache it and appends it to
      `cache` (`PagedMLACache.append_decode`: quantized as tokens leave the BF16 window),
   2. projects the queries, absorbs W_uk into them (q~ = W_uk^T q_nope),
-  3. attends over the grown cache with the Triton kernel (`mla_decode`: dequantization inside),
+  3. attends over the grown cache: the Triton kernel (`mla_decode`: dequantization inside) on CUDA, the
+     plain-torch `mla_decode_reference` elsewhere (`kernel="triton"` forces the kernel, e.g. under
+     TRITON_INTERPRET=1 on the CPU; `kernel="reference"` the oracle),
   4. applies W_uv and o_proj,
 and returns the attention output [B, 1, hidden], i.e. what `attn(...)[0]` returns for that token.
 With checked=False and max_seq_len given nothing reads device data on the host: the step can be captured
@@ -21,7 +23,7 @@ import torch
 from torch import nn
 
 from quantmla.cache.paged import PagedMLACache
-from quantmla.kernels.mla_decode import mla_decode
+from quantmla.kernels.mla_decode import mla_decode, mla_decode_reference
 from quantmla.mla import absorb_queries, project_cache, project_queries, split_kv_b
 from quantmla.models.adapters import MLALayer
 
@@ -39,13 +41,17 @@ def decode_step(
     *,
     max_seq_len: int | None = None,
     checked: bool = True,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """Append the new token of each sequence to `cache` and return the attention output [B, 1, hidden].
 
     seq_lens [B] int32: tokens cached *before* this step (the kernel then sees seq_lens + 1); block_tables
     [B, max_blocks] int32 must already cover the new token. max_seq_len bounds seq_lens + 1 (None: read on
     the host). checked=False skips the writer's NaN/range checks (see `quantmla.quant.formats.quantize`).
+    kernel: "auto" (Triton on CUDA tensors, the torch reference otherwise), "triton" or "reference".
     """
+    if kernel not in ("auto", "triton", "reference"):
+        raise ValueError(f"kernel must be 'auto', 'triton' or 'reference', got {kernel!r}")
     if hidden.dim() != 3 or hidden.shape[1] != 1:
         raise ValueError(f"decode_step takes one new token per sequence: hidden [B, 1, hidden], "
                          f"got {tuple(hidden.shape)}")
@@ -55,7 +61,11 @@ def decode_step(
     w_uk, w_uv = split_kv_b(attn, layer)
     # In the weights' own dtype: no per-step fp32 copies of W_uk / W_uv (the kernel rounds q to bf16 anyway).
     q_abs = absorb_queries(q_nope, w_uk)[:, :, 0]
-    latent, _ = mla_decode(q_abs, q_pe[:, :, 0], cache, block_tables, seq_lens + 1, slots, layer.softmax_scale,
-                           max_seq_len=max_seq_len)  # fmt: skip
+    if kernel == "triton" or (kernel == "auto" and hidden.is_cuda):
+        latent, _ = mla_decode(q_abs, q_pe[:, :, 0], cache, block_tables, seq_lens + 1, slots,
+                               layer.softmax_scale, max_seq_len=max_seq_len)  # fmt: skip
+    else:
+        latent, _ = mla_decode_reference(q_abs, q_pe[:, :, 0], cache, block_tables, seq_lens + 1, slots,
+                                         layer.softmax_scale, dtype=torch.float32)  # fmt: skip
     heads = torch.einsum("bhc,hvc->bhv", latent.to(w_uv.dtype), w_uv).flatten(1).to(hidden.dtype)
     return attn.o_proj(heads)[:, None]

@@ -80,10 +80,11 @@ class PagedPath:
         return sum(t.shape[-1] * t.element_size() for t in self.tensors())
 
 
-def _alloc_path(fmt: QuantFormat, dim: int, num_blocks: int, block_size: int, device, fill) -> PagedPath:
+def _alloc_path(fmt: QuantFormat, dim: int, num_blocks: int, block_size: int, device, fill,
+                dtype=torch.bfloat16) -> PagedPath:
     lead = (num_blocks, block_size)
     if fmt.kind == "bf16":
-        return PagedPath(fmt, dim, torch.full((*lead, dim), fill, dtype=torch.bfloat16, device=device))
+        return PagedPath(fmt, dim, torch.full((*lead, dim), fill, dtype=dtype, device=device))
     codes = torch.zeros((*lead, dim * fmt.bits // 8), dtype=torch.uint8, device=device)
     if fill != 0:
         codes.fill_(0xFF)  # 0xFF is NaN in e4m3 and the top code for integers
@@ -122,8 +123,11 @@ class PagedMLACache:
         block_size: int = 64,
         device: torch.device | str = "cpu",
         fill: float = 0.0,
+        dtype: torch.dtype = torch.bfloat16,
     ) -> PagedMLACache:
-        """Allocate empty pools. `fill=float('nan')` poisons every slot, so tests catch reads of unused rows."""
+        """Allocate empty pools. `fill=float('nan')` poisons every slot, so tests catch reads of unused rows.
+        `dtype`: of the protected rows and of bf16-format pools (the decode kernel reads bfloat16; an fp32 model
+        on the CPU may keep fp32 there, so that an unquantized cache is exactly the model's own)."""
         config.check_dims(kv_lora_rank, rope_dim)
         for fmt in (config.content, config.rope):
             if fmt.kind not in PAGED_KINDS or getattr(fmt, "axis", "channel") != "channel":
@@ -135,15 +139,15 @@ class PagedMLACache:
         all_bf16 = config.content.kind == "bf16" and config.rope.kind == "bf16"
         sink, recent = (0, 0) if all_bf16 else (config.sink, config.recent)
         w = sink + recent
-        prot_c = torch.full((max_seqs, w, kv_lora_rank), fill, dtype=torch.bfloat16, device=device)
-        prot_r = torch.full((max_seqs, w, rope_dim), fill, dtype=torch.bfloat16, device=device)
+        prot_c = torch.full((max_seqs, w, kv_lora_rank), fill, dtype=dtype, device=device)
+        prot_r = torch.full((max_seqs, w, rope_dim), fill, dtype=dtype, device=device)
         return cls(
             config,
             kv_lora_rank,
             rope_dim,
             block_size,
-            _alloc_path(config.content, kv_lora_rank, num_blocks, block_size, device, fill),
-            _alloc_path(config.rope, rope_dim, num_blocks, block_size, device, fill),
+            _alloc_path(config.content, kv_lora_rank, num_blocks, block_size, device, fill, dtype),
+            _alloc_path(config.rope, rope_dim, num_blocks, block_size, device, fill, dtype),
             prot_c,
             prot_r,
             sink,
@@ -203,8 +207,8 @@ class PagedMLACache:
         if self.window and keep.any():
             pos = pos[keep]
             rows = self.protected_row(pos)
-            self.protected_content[slot, rows] = c[pos - L].to(torch.bfloat16)
-            self.protected_rope[slot, rows] = k_pe[pos - L].to(torch.bfloat16)
+            self.protected_content[slot, rows] = c[pos - L].to(self.protected_content.dtype)
+            self.protected_rope[slot, rows] = k_pe[pos - L].to(self.protected_rope.dtype)
 
     def append_decode(
         self,

@@ -1,0 +1,265 @@
+"""`LLM`: the engine's front — vLLM's offline API over quantmla's paged quantized cache.
+
+    from quantmla.engine import LLM, SamplingParams
+    llm = LLM()                                   # the shipped default model, INT4/INT4 cache
+    outs = llm.generate(["def main():"], SamplingParams(max_tokens=32))
+    print(outs[0].text, llm.stats())
+
+`model` is a checkpoint directory (None: the shipped default model) or an already built transformers MLA
+model (e.g. random weights for a benchmark; it is modified in place: its attention modules are replaced).
+Formats: `content`/`rope` (and `sink`/`recent`) as everywhere in quantmla; left None they come from a
+calibrated checkpoint's `quantmla` config section, or default to int4/int4, sink 4, recent 128.
+
+The KV pool is sized from a byte budget: `kv_cache_bytes`, or on CUDA `gpu_memory_utilization` of the card
+minus what is already allocated and a reserve for activations; on the CPU, by default, room for
+`max_num_seqs` sequences of `max_model_len` tokens. `capacity_tokens` is what the chosen formats fit in it.
+
+Serving loop (one thread owns the object): `add_request` queues a request (refused with ValueError, nothing
+queued, when it can never run), `step` runs one prefill or decode step and returns what each request got,
+`abort` drops a request and frees its pages, `stats` reports the pool and the counters.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from quantmla.config import CacheConfig
+from quantmla.engine.block_manager import BlockManager, PoolLayout
+from quantmla.engine.model_runner import ModelRunner, storage_dtype
+from quantmla.engine.sampler import SamplingParams, sample
+from quantmla.engine.scheduler import Scheduler
+from quantmla.engine.sequence import Sequence, Status
+from quantmla.models.adapters import describe
+
+log = logging.getLogger("quantmla.engine")
+
+ACTIVATION_RESERVE = 2 << 30  # bytes kept free on CUDA for activations and graphs when sizing from utilization
+SERVED = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "longcat_flash")
+
+
+@dataclass
+class StepOutput:
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: str | None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str | None
+    finish_reason: str | None
+
+
+def _load(model, dtype, device):
+    from quantmla.calibrate.export import cache_config_of
+    from quantmla.data import resolve_model_dir, tokenizer_for
+    from quantmla.models.adapters import load_model
+
+    path = resolve_model_dir(model)
+    module = load_model(path, dtype=dtype).to(device)
+    return module, tokenizer_for(path), cache_config_of(path), path.resolve().name
+
+
+def _cache_config(section: CacheConfig | None, content, rope, sink, recent) -> CacheConfig:
+    base = section or CacheConfig()
+    return CacheConfig(content or base.content, rope or base.rope, base.sink if sink is None else sink,
+                       base.recent if recent is None else recent)
+
+
+class LLM:
+    def __init__(self, model: str | Path | nn.Module | None = None, content: str | None = None,
+                 rope: str | None = None, sink: int | None = None, recent: int | None = None,
+                 device: str | torch.device | None = None, kv_cache_bytes: int | None = None,
+                 gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64, max_model_len: int | None = None,
+                 block_size: int = 64, prefill_chunk: int = 2048, cuda_graphs: bool = True,
+                 dtype: torch.dtype | None = None, tokenizer=None):
+        if isinstance(model, nn.Module) and device is None:
+            device = next(model.parameters()).device
+        device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        if max_num_seqs < 1 or block_size < 1 or prefill_chunk < 1:
+            raise ValueError("max_num_seqs, block_size and prefill_chunk must be >= 1")
+        if isinstance(model, nn.Module):
+            section, self.model_name = None, getattr(model.config, "name_or_path", "") or type(model).__name__
+            self.tokenizer, model = tokenizer, model.to(device)
+        else:
+            model, tok, section, self.model_name = _load(model, dtype, device)
+            self.tokenizer = tokenizer or tok
+        self.model = model.eval()
+        layers = describe(model)
+        self.cache_config = _cache_config(section, content, rope, sink, recent)
+        limit = int(getattr(model.config.get_text_config(), "max_position_embeddings", 0) or 0)
+        self.max_model_len = int(max_model_len or limit or 4096)
+        if limit and self.max_model_len > limit:
+            raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit "
+                             f"(max_position_embeddings {limit})")
+        layout = PoolLayout.of(self.cache_config, layers, block_size,
+                               storage_dtype(next(model.parameters()).dtype, device))
+        if kv_cache_bytes is None:
+            kv_cache_bytes = self._default_budget(layout, device, max_num_seqs, gpu_memory_utilization)
+        num_blocks = layout.num_blocks(int(kv_cache_bytes), max_num_seqs)
+        self.kv_cache_bytes = layout.bytes_for(num_blocks, max_num_seqs)
+        self.blocks = BlockManager(num_blocks, block_size, max_num_seqs)
+        self.scheduler = Scheduler(self.blocks, max_num_seqs, max(prefill_chunk, self.max_model_len))
+        self.runner = ModelRunner(model, layers, self.cache_config, num_blocks, max_num_seqs, block_size,
+                                  self.max_model_len, prefill_chunk, cuda_graphs)  # fmt: skip
+        self.eos = getattr(model.config, "eos_token_id", None)
+        self.eos = set(self.eos if isinstance(self.eos, list) else [] if self.eos is None else [self.eos])
+        self.requests: dict[str, Sequence] = {}
+        self._ids = itertools.count()
+        self._shared_gen = torch.Generator().manual_seed(0)
+        self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, tokens_generated=0, prompt_tokens=0,
+                             prefill_tokens=0, peak_batch=0, time_prefill_s=0.0, time_decode_s=0.0)
+        log.info("KV pool: %d pages of %d tokens = %d tokens (%s/%s), %.1f MiB", num_blocks, block_size,
+                 self.capacity_tokens, self.cache_config.content, self.cache_config.rope, self.kv_cache_bytes / 2**20)
+
+    def _default_budget(self, layout: PoolLayout, device, max_num_seqs: int, utilization: float) -> int:
+        if device.type == "cuda":
+            if not 0 < utilization <= 1:
+                raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+            total = torch.cuda.get_device_properties(device).total_memory
+            return int(total * utilization) - torch.cuda.memory_allocated(device) - ACTIVATION_RESERVE
+        blocks = max_num_seqs * -(-self.max_model_len // layout.block_size)
+        return layout.bytes_for(blocks, max_num_seqs) + layout.page_bytes  # rounding slack
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.blocks.num_blocks * self.blocks.block_size
+
+    # --- requests ------------------------------------------------------------------------------------
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
+            ids, text = self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+        else:
+            ids, text = [int(t) for t in prompt], None
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model.config.get_text_config().vocab_size
+        if min(ids) < 0 or max(ids) >= vocab:
+            raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
+        total = len(ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
+                             f"the model's limit of {self.max_model_len} tokens")
+        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
+                             f"exceeds the whole KV pool ({self.capacity_tokens} tokens)")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seq = Sequence(request_id, ids, params, text)
+        self.requests[request_id] = seq
+        self.scheduler.add(seq)
+        self.counters["prompt_tokens"] += len(ids)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        seq = self.requests.pop(str(request_id), None)
+        if seq is not None and not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # --- the step ------------------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        seqs, is_prefill = self.scheduler.schedule()
+        if not seqs:
+            return []
+        dev = self.runner.device
+        t0 = time.perf_counter()
+        logits = self.runner.prefill(seqs) if is_prefill else self.runner.decode(seqs)
+        tokens = sample(logits, [s.params for s in seqs], [s.generator for s in seqs], self._shared_gen)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        now = time.perf_counter()
+        c = self.counters
+        c["steps"] += 1
+        c["prefill_steps" if is_prefill else "decode_steps"] += 1
+        c["time_prefill_s" if is_prefill else "time_decode_s"] += now - t0
+        if is_prefill:
+            c["prefill_tokens"] += sum(len(s) for s in seqs)
+        else:
+            c["peak_batch"] = max(c["peak_batch"], len(seqs))
+        outputs = []
+        for seq, tok in zip(seqs, tokens):
+            seq.token_ids.append(tok)
+            seq.first_token_time = seq.first_token_time or now
+            c["tokens_generated"] += 1
+            reason = self._finish_reason(seq, tok)
+            if reason:
+                self.scheduler.finish(seq, reason)
+                seq.finish_time = now
+                self.requests.pop(seq.request_id, None)
+            outputs.append(StepOutput(seq.request_id, [tok], reason is not None, reason))
+        return outputs
+
+    def _finish_reason(self, seq: Sequence, tok: int) -> str | None:
+        p = seq.params
+        if tok in p.stop_token_ids or (not p.ignore_eos and tok in self.eos):
+            return "stop"
+        if seq.num_completion_tokens >= p.max_tokens:
+            return "length"
+        return None
+
+    def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Run prompts to completion; outputs in prompt order. One SamplingParams for all or one per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
+        seqs = []
+        for prompt, p in zip(prompts, params):
+            seqs.append(self.requests[self.add_request(prompt, p)])
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(seqs), desc="generate", unit="req")
+        while any(not s.is_finished for s in seqs):
+            for out in self.step():
+                if out.finished and bar is not None:
+                    bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [RequestOutput(s.request_id, s.prompt, s.prompt_token_ids, s.completion_token_ids,
+                              self.decode(s.completion_token_ids), s.finish_reason) for s in seqs]
+
+    def decode(self, token_ids: list[int]) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def stats(self) -> dict:
+        b = self.blocks
+        return {
+            "preemptions": self.scheduler.preemptions,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "pages_total": b.num_blocks,
+            "pages_used": b.num_used,
+            "pages_free": b.num_free,
+            "capacity_tokens": self.capacity_tokens,
+            "kv_cache_bytes": self.kv_cache_bytes,
+            "cuda_graphs": sorted(self.runner.graphs),
+            "format": f"{self.cache_config.content}/{self.cache_config.rope}",
+            **self.counters,
+        }

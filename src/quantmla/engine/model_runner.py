@@ -1,0 +1,160 @@
+"""Runs the model for the engine: the checkpoint's own transformers modules, with attention on the paged pool.
+
+The runner allocates one `PagedMLACache` per MLA attention (all with the same number of pages and slots),
+puts a `PagedAttention` in place of each attention module, and runs two kinds of forward through the model's
+own `forward` (embeddings, norms, MLP/MoE, lm_head and any family-specific scaling stay the model's):
+  - prefill: one sequence at a time, `prefill_chunk` tokens per forward, only the last position's logits;
+  - decode: one token per running sequence, [B, 1]. On CUDA each batch size of `graph_batch_sizes` is captured
+    once as a CUDA graph (the batch is padded to the next captured size; padded rows write to the scratch
+    page and slot); models whose forward cannot be captured (data-dependent MoE routing) run eagerly.
+The model's attention implementation is set to a name transformers builds no mask for: masks are the
+runner's business (the pool's positions), and none of [T, T] size is ever materialised.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+from transformers import AttentionInterface
+
+from quantmla.cache.paged import PagedMLACache
+from quantmla.config import CacheConfig
+from quantmla.engine.attention import Decode, PagedAttention, Prefill, StepContext
+from quantmla.engine.sequence import Sequence
+from quantmla.models.adapters import MLALayer, attention_module
+
+log = logging.getLogger("quantmla.engine")
+
+ATTENTION_NAME = "quantmla_paged"
+
+
+def _not_called(*args, **kwargs):
+    raise RuntimeError("quantmla_paged attention is done by PagedAttention modules, not by this function")
+
+
+AttentionInterface.register(ATTENTION_NAME, _not_called)
+
+
+def storage_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """dtype of the pool's unquantized rows: bfloat16 (what the kernel reads), except that an fp32 model on the
+    CPU keeps fp32, so that a bf16-format cache there is exactly the model's own cache."""
+    return torch.float32 if model_dtype == torch.float32 and torch.device(device).type == "cpu" else torch.bfloat16
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    return sorted({b for b in [1, 2, 4, 8, *range(16, max_num_seqs + 16, 16)] if b <= max_num_seqs} | {max_num_seqs})
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, layers: list[MLALayer], config: CacheConfig, num_blocks: int,
+                 max_num_seqs: int, block_size: int, max_model_len: int, prefill_chunk: int,
+                 cuda_graphs: bool = True):
+        self.model, self.layers = model, layers
+        self.device = next(model.parameters()).device
+        self.block_size, self.max_model_len, self.prefill_chunk = block_size, max_model_len, prefill_chunk
+        self.max_blocks = -(-max_model_len // block_size)
+        self.scratch_block, self.scratch_slot = num_blocks, max_num_seqs
+        self.step = StepContext()
+        store_dtype = storage_dtype(next(model.parameters()).dtype, self.device)
+        self.caches: list[PagedMLACache] = []
+        for layer in layers:
+            cache = PagedMLACache.allocate(config.fit(layer.kv_lora_rank, layer.rope_dim), layer.kv_lora_rank,
+                                           layer.rope_dim, num_blocks + 1, max_num_seqs + 1, block_size,
+                                           self.device, dtype=store_dtype)  # fmt: skip
+            model.set_submodule(layer.module, PagedAttention(attention_module(model, layer), layer, cache, self.step))
+            self.caches.append(cache)
+        model.config._attn_implementation = ATTENTION_NAME
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        if cuda_graphs and self.device.type == "cuda":
+            self._capture(graph_batch_sizes(max_num_seqs))
+
+    def _forward(self, ids: torch.Tensor, pos: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
+        out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=logits_to_keep)
+        return out.logits[:, -1]
+
+    def _table(self, seq: Sequence) -> list[int]:
+        return seq.block_table + [self.scratch_block] * (self.max_blocks - len(seq.block_table))
+
+    @torch.inference_mode()
+    def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Cache every not-yet-cached token of each sequence; logits of each one's last position [N, V]."""
+        rows = []
+        for seq in seqs:
+            table = torch.tensor(self._table(seq), dtype=torch.int32, device=self.device)
+            ids = torch.tensor(seq.token_ids, dtype=torch.long, device=self.device)
+            for start in range(seq.num_cached, len(seq), self.prefill_chunk):
+                end = min(start + self.prefill_chunk, len(seq))
+                self.step.current = Prefill(seq.slot, table, start)
+                pos = torch.arange(start, end, device=self.device)
+                logits = self._forward(ids[None, start:end], pos[None])
+            seq.num_cached = len(seq)
+            rows.append(logits[0])
+        self.step.current = None
+        return torch.stack(rows)
+
+    @torch.inference_mode()
+    def decode(self, seqs: list[Sequence]) -> torch.Tensor:
+        """Feed each sequence's last token (cached during the step); next-token logits [B, V]."""
+        B = len(seqs)
+        ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long)
+        lens = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.int32)
+        slots = torch.tensor([s.slot for s in seqs], dtype=torch.int32)
+        tables = torch.tensor([self._table(s) for s in seqs], dtype=torch.int32)
+        for s in seqs:
+            s.num_cached = len(s)
+        bs = next((b for b in sorted(self.graphs) if b >= B), None)
+        if bs is None:
+            dev = self.device
+            self.step.current = Decode(tables.to(dev), lens.to(dev), slots.to(dev), int(lens.max()) + 1)
+            logits = self._forward(ids[:, None].to(dev), lens[:, None].long().to(dev))
+            self.step.current = None
+            return logits
+        graph, out = self.graphs[bs]
+        st = self._static
+        st["ids"][:B, 0] = ids.to(self.device, non_blocking=True)
+        st["pos"][:B, 0] = lens.to(self.device, non_blocking=True)
+        st["seq_lens"][:B] = lens.to(self.device, non_blocking=True)
+        st["slots"][:B] = slots.to(self.device, non_blocking=True)
+        st["tables"][:B] = tables.to(self.device, non_blocking=True)
+        self._reset_padding(B, bs)
+        graph.replay()
+        return out[:B]
+
+    def _reset_padding(self, lo: int, hi: int) -> None:
+        st = self._static
+        st["ids"][lo:hi], st["pos"][lo:hi], st["seq_lens"][lo:hi] = 0, 0, 0
+        st["slots"][lo:hi], st["tables"][lo:hi] = self.scratch_slot, self.scratch_block
+
+    @torch.inference_mode()
+    def _capture(self, sizes: list[int]) -> None:
+        n, dev = max(sizes), self.device
+        self._static = {
+            "ids": torch.zeros(n, 1, dtype=torch.long, device=dev),
+            "pos": torch.zeros(n, 1, dtype=torch.long, device=dev),
+            "seq_lens": torch.zeros(n, dtype=torch.int32, device=dev),
+            "slots": torch.zeros(n, dtype=torch.int32, device=dev),
+            "tables": torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev),
+        }
+        self._reset_padding(0, n)
+        st, pool = self._static, None
+        try:
+            for bs in sorted(sizes, reverse=True):  # largest first: the others reuse its memory pool
+                self.step.current = Decode(st["tables"][:bs], st["seq_lens"][:bs], st["slots"][:bs],
+                                           self.max_model_len, checked=False)  # fmt: skip
+                self._forward(st["ids"][:bs], st["pos"][:bs])  # warm up: compile kernels, settle allocations
+                torch.cuda.synchronize(dev)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    out = self._forward(st["ids"][:bs], st["pos"][:bs])
+                pool = graph.pool()
+                self.graphs[bs] = (graph, out)
+        except RuntimeError as e:  # e.g. MoE routing that reads device data on the host
+            log.warning("decode runs eagerly: the model's forward cannot be captured in a CUDA graph (%s)",
+                        str(e).splitlines()[0])
+            self.graphs.clear()
+        finally:
+            self.step.current = None
+            self._reset_padding(0, n)
+            torch.cuda.synchronize(dev)

@@ -1,0 +1,246 @@
+"""The engine (quantmla.engine) on the CPU: greedy outputs against transformers' own generate, preemption by
+recompute, chunked prefill, the pool's bookkeeping and the request checks.
+
+Reference semantics: with a BF16 cache the engine must produce transformers' greedy tokens (DynamicCache).
+With a quantized cache it must produce the tokens of `generate` with a `QuantMLACache` of the same formats
+fed the way a server sees tokens: one at a time, so that a query at position t sees quantized keys exactly in
+[sink, t + 1 - recent) (a QuantMLACache prefilled in one call quantizes keys that early queries of the same
+call would still see in BF16 when served).
+"""
+
+import pytest
+import torch
+
+from quantmla.cache import QuantMLACache
+from quantmla.config import CacheConfig
+from quantmla.data import default_model_dir, encode, read_text
+from quantmla.engine import LLM, SamplingParams
+from quantmla.models.adapters import attention_module, cache_kwargs, describe, query_weight
+from quantmla.models.tiny import TINY_FAMILIES, tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+SINK, RECENT, PAGE = 2, 8, 16
+LENGTHS, NEW = (5, 37, 70), 12
+
+
+def prompts(vocab: int, lengths=LENGTHS, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_greedy(model, ids: list[int], n: int, cache=None) -> list[int]:
+    """transformers' generate, greedy, exactly n new tokens; `cache` may hold all but the last prompt token.
+    eos is switched off rather than suppressed (min_new_tokens would forbid it), as ignore_eos does."""
+    x = torch.tensor([ids])
+    kw = cache_kwargs(model, cache) if cache is not None else {}
+    model.generation_config.eos_token_id = None
+    out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, **kw)
+    return out[0, len(ids):].tolist()
+
+
+def served_quant_cache(model, ids: list[int], cfg: CacheConfig) -> QuantMLACache:
+    """A QuantMLACache holding ids[:-1], fed one token per forward as a server would see them."""
+    cache = QuantMLACache(cfg)
+    with torch.no_grad():
+        for t in range(len(ids) - 1):
+            model(torch.tensor([ids[t : t + 1]]), use_cache=True, **cache_kwargs(model, cache))
+    return cache
+
+
+def engine_greedy(model, content, rope, ids_list, n, **kw) -> list[list[int]]:
+    llm = LLM(model, content=content, rope=rope, sink=SINK, recent=RECENT, block_size=PAGE, max_num_seqs=4,
+              **{"prefill_chunk": 16, **kw})  # fmt: skip
+    outs = llm.generate(ids_list, SamplingParams(max_tokens=n, ignore_eos=True))
+    assert llm.stats()["pages_used"] == 0
+    return [o.token_ids for o in outs]
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_bf16_greedy_equals_transformers_generate(family):
+    ref = tiny_model(family)
+    ids = prompts(ref.config.vocab_size)
+    want = [hf_greedy(ref, p, NEW) for p in ids]
+    got = engine_greedy(tiny_model(family), "bf16", "bf16", ids, NEW)
+    assert got == want
+
+
+def sharp_model(family: str):
+    """A tiny model with queries x8: random tiny models attend almost uniformly, so a cache error would
+    rarely change a greedy token; peaked attention makes the quantized cache visible in the output."""
+    model = tiny_model(family)
+    with torch.no_grad():
+        for layer in describe(model):
+            query_weight(attention_module(model, layer), layer).weight.mul_(8)
+    return model
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_int2_greedy_equals_generate_with_quant_cache(family):
+    ref = sharp_model(family)
+    layer = describe(ref)[0]
+    ids = prompts(ref.config.vocab_size)
+    cfg = CacheConfig("int2", "int4", SINK, RECENT).fit(layer.kv_lora_rank, layer.rope_dim)
+    want = [hf_greedy(ref, p, NEW, served_quant_cache(ref, p, cfg)) for p in ids]
+    got = engine_greedy(sharp_model(family), "int2", "int4", ids, NEW)
+    assert got == want
+    # and the quantized cache matters: with a BF16 cache some token differs
+    assert engine_greedy(sharp_model(family), "bf16", "bf16", ids, NEW) != got
+
+
+def test_chunked_prefill_gives_the_same_cache_and_logits():
+    """Prefill in chunks of 7 and at once: the same pool bytes and the same next-token logits."""
+    ids = prompts(128, (61,))[0]
+    runs = []
+    for chunk in (7, 2048):
+        llm = LLM(tiny_model("deepseek_v3"), content="int4", rope="int4", sink=SINK, recent=RECENT,
+                  block_size=PAGE, max_num_seqs=2, prefill_chunk=chunk)  # fmt: skip
+        llm.add_request(ids, SamplingParams(max_tokens=2))
+        seq, _ = llm.scheduler.schedule()
+        logits = llm.runner.prefill(seq)
+        runs.append((logits, [c.content.codes.clone() for c in llm.runner.caches],
+                     [c.protected_content.clone() for c in llm.runner.caches]))
+    (l1, codes1, prot1), (l2, codes2, prot2) = runs
+    torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(a, b) for a, b in zip(codes1, codes2))
+    torch.testing.assert_close(prot1, prot2)
+
+
+# --- the shipped default model: preemption ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def default_prompts():
+    model_dir = default_model_dir()
+    from quantmla.data import tokenizer_for
+
+    tok = tokenizer_for(model_dir)
+    ids = encode(read_text(None, "heldout.txt"), tok, 259)
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, len(ids) - 200, (6,), generator=g).tolist()
+    return [ids[s : s + n].tolist() for s, n in zip(starts, (12, 20, 8, 30, 16, 24))]
+
+
+@pytest.mark.parametrize("fmts", [("bf16", "bf16"), ("int4", "int4")])
+def test_preemption_gives_the_same_greedy_outputs(default_prompts, fmts):
+    params = SamplingParams(max_tokens=60, ignore_eos=True)
+    kw = dict(content=fmts[0], rope=fmts[1], sink=4, recent=16, block_size=PAGE, max_num_seqs=6)
+    free = LLM(**kw)
+    want = [o.token_ids for o in free.generate(default_prompts, params)]
+    assert free.stats()["preemptions"] == 0
+    # 6 pages of 16 tokens: the six requests need 5-6 pages each at the end, 33 together.
+    tight = LLM(**kw, kv_cache_bytes=LLM_layout_bytes(free, 6))
+    assert tight.stats()["pages_total"] == 6
+    seqs = [tight.requests[tight.add_request(p, params)] for p in default_prompts]
+    while tight.has_unfinished():
+        tight.step()
+    stats = tight.stats()
+    assert [s.completion_token_ids for s in seqs] == want
+    assert all(s.finish_reason == "length" for s in seqs)
+    # the oldest request always runs (the newest is preempted first); every other one was preempted, some twice
+    assert stats["preemptions"] > len(seqs) and min(s.preemptions for s in seqs[1:]) >= 1
+    assert stats["pages_used"] == 0 and stats["running"] == stats["waiting"] == 0
+    assert sorted(tight.blocks.free_slots) == list(range(6))
+
+
+def LLM_layout_bytes(llm: LLM, pages: int) -> int:
+    from quantmla.engine.block_manager import PoolLayout
+
+    layout = PoolLayout.of(llm.cache_config, llm.runner.layers, llm.blocks.block_size,
+                           llm.runner.caches[0].protected_content.dtype)  # fmt: skip
+    return layout.bytes_for(pages, llm.scheduler.max_num_seqs)
+
+
+def test_int4_pool_holds_more_tokens_in_the_same_bytes():
+    budget = 64 << 20
+    caps = {f: LLM(content=f, rope=f, kv_cache_bytes=budget, max_num_seqs=4, dtype=torch.bfloat16).capacity_tokens
+            for f in ("bf16", "int4")}
+    # 1152 vs 324 bytes per token and layer (the int4 pool also keeps 132 BF16 rows per slot)
+    assert 3.0 < caps["int4"] / caps["bf16"] < 3.6
+
+
+# --- requests ---------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def small_llm():
+    return LLM(max_num_seqs=2, kv_cache_bytes=4 << 20, max_model_len=1024)
+
+
+def test_text_prompts_and_stop_on_eos(small_llm):
+    out = small_llm.generate("def add(a, b):\n    return", SamplingParams(max_tokens=16))[0]
+    assert out.text == small_llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    assert len(out.token_ids) <= 16 and out.finish_reason in ("stop", "length")
+    # a stop token: generation ends at the first occurrence of the token the greedy output produces first
+    stop = out.token_ids[2]
+    cut = small_llm.generate("def add(a, b):\n    return", SamplingParams(max_tokens=16, stop_token_ids=[stop]))[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == out.token_ids[: out.token_ids.index(stop) + 1]
+
+
+@pytest.mark.parametrize("prompt, kw, message", [
+    ("", {}, "empty"),
+    ([1] * 1000, {"max_tokens": 100}, "model's limit"),
+    ([300], {}, "token ids must be in"),
+])  # fmt: skip
+def test_bad_requests_are_refused_and_nothing_is_queued(small_llm, prompt, kw, message):
+    with pytest.raises(ValueError, match=message):
+        small_llm.add_request(prompt, SamplingParams(**kw))
+    assert not small_llm.has_unfinished() and small_llm.stats()["pages_used"] == 0
+
+
+def test_request_larger_than_the_pool_is_refused():
+    llm = LLM(max_num_seqs=1, kv_cache_bytes=3 << 20, block_size=PAGE)
+    with pytest.raises(ValueError, match="whole KV pool"):
+        llm.add_request([1] * (llm.capacity_tokens - 3), SamplingParams(max_tokens=8))
+    llm.add_request([1] * (llm.capacity_tokens - 8), SamplingParams(max_tokens=8, ignore_eos=True))
+    while llm.has_unfinished():
+        llm.step()
+    assert llm.stats()["pages_used"] == 0
+
+
+def test_budget_too_small_says_so():
+    with pytest.raises(ValueError, match="holds no page"):
+        LLM(kv_cache_bytes=1000)
+
+
+@pytest.mark.parametrize("kw, field", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
+                                       ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
+                                       ({"temperature": float("nan")}, "temperature")])
+def test_bad_sampling_params(kw, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kw)
+
+
+def test_abort_frees_pages(small_llm):
+    rid = small_llm.add_request([5] * 200, SamplingParams(max_tokens=50, ignore_eos=True))
+    small_llm.step()
+    assert small_llm.stats()["pages_used"] > 0
+    small_llm.abort(rid)
+    assert small_llm.stats()["pages_used"] == 0 and not small_llm.has_unfinished()
+    small_llm.abort("no such request")
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(small_llm):
+    p = SamplingParams(max_tokens=12, temperature=0.9, top_p=0.95, top_k=50, seed=7, ignore_eos=True)
+    alone = small_llm.generate("import os\n", p)[0].token_ids
+    other = SamplingParams(max_tokens=12, temperature=1.0, seed=3, ignore_eos=True)
+    together = small_llm.generate(["import os\n", "class A:"], [p, other])[0].token_ids
+    assert alone == together
+    greedy = small_llm.generate("import os\n", SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
+    assert small_llm.generate("import os\n", SamplingParams(max_tokens=12, temperature=5.0, top_k=1,
+                                                             ignore_eos=True))[0].token_ids == greedy
+
+
+def test_sampler_draws_from_the_filtered_distribution():
+    from quantmla.engine.sampler import sample
+
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]])).expand(4000, -1)
+    g = torch.Generator().manual_seed(0)
+    draws = torch.tensor(sample(logits, [SamplingParams(temperature=1.0)] * 4000, [None] * 4000, g))
+    freq = torch.bincount(draws, minlength=4).float() / 4000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05]), atol=0.03, rtol=0)
+    # top_p 0.7 keeps the two tokens whose mass reaches it; top_k 3 the three largest
+    draws = torch.tensor(sample(logits, [SamplingParams(temperature=1.0, top_p=0.7)] * 4000, [None] * 4000, g))
+    assert set(draws.tolist()) == {0, 1} and abs((draws == 0).float().mean() - 0.5 / 0.8) < 0.03
+    draws = torch.tensor(sample(logits, [SamplingParams(temperature=1.0, top_k=3)] * 4000, [None] * 4000, g))
+    assert set(draws.tolist()) == {0, 1, 2}
