@@ -244,3 +244,21 @@ def test_sampler_draws_from_the_filtered_distribution():
     assert set(draws.tolist()) == {0, 1} and abs((draws == 0).float().mean() - 0.5 / 0.8) < 0.03
     draws = torch.tensor(sample(logits, [SamplingParams(temperature=1.0, top_k=3)] * 4000, [None] * 4000, g))
     assert set(draws.tolist()) == {0, 1, 2}
+
+
+def test_calibrated_checkpoint_selects_its_formats(tmp_path):
+    """A checkpoint with a `quantmla` config section (what `quantmla calibrate` writes) picks its own formats;
+    explicit arguments still win."""
+    import json
+
+    from quantmla.models.tiny import save_tiny_model
+
+    path = save_tiny_model("deepseek_v3", tmp_path / "ckpt")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantmla"] = {"method": "quantmla", "content": "int2", "rope": "int8:8", "sink": 3, "recent": 5}
+    (path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(path, max_num_seqs=2, kv_cache_bytes=1 << 20)
+    assert llm.cache_config == CacheConfig("int2", "int8:8", 3, 5)
+    assert llm.model_name == "ckpt" and llm.tokenizer is None
+    assert LLM(path, content="bf16", rope="bf16", max_num_seqs=2, kv_cache_bytes=1 << 20).stats()["format"] == "bf16/bf16"
+    assert LLM(tiny_model("minicpm3"), max_num_seqs=2, kv_cache_bytes=1 << 20).cache_config == CacheConfig()

@@ -43,7 +43,9 @@ def project_queries(attn: nn.Module, layer: MLALayer, hidden: torch.Tensor, posi
         q = attn.q_proj(hidden)
     else:
         q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(hidden)))
-    q = q.view(*hidden.shape[:-1], layer.num_heads, layer.qk_head_dim).transpose(1, 2) * layer.query_scale
+    q = q.view(*hidden.shape[:-1], layer.num_heads, layer.qk_head_dim).transpose(1, 2)
+    if layer.query_scale != 1.0:  # a kernel per call saved in every decode step of the other families
+        q = q * layer.query_scale
     q_nope, q_pe = q.split([layer.nope_dim, layer.rope_dim], dim=-1)
     return q_nope, apply_rope(q_pe, position_embeddings, layer)
 
@@ -107,5 +109,7 @@ def project_cache(attn: nn.Module, layer: MLALayer, hidden: torch.Tensor, positi
     """What the attention writes to the cache for hidden [B, T, hidden]: (c [B, T, dc], k_pe [B, T, dr])."""
     kv = attn.kv_a_proj_with_mqa(hidden)
     c, k_pe = kv.split([layer.kv_lora_rank, layer.rope_dim], dim=-1)
-    c = attn.kv_a_layernorm(c) * layer.latent_scale
+    c = attn.kv_a_layernorm(c)
+    if layer.latent_scale != 1.0:
+        c = c * layer.latent_scale
     return c, apply_rope(k_pe.unsqueeze(1), position_embeddings, layer).squeeze(1)

@@ -66,6 +66,10 @@ class ModelRunner:
             model.set_submodule(layer.module, PagedAttention(attention_module(model, layer), layer, cache, self.step))
             self.caches.append(cache)
         model.config._attn_implementation = ATTENTION_NAME
+        # One block-table row per slot (the scratch slot's row points at the scratch page everywhere).
+        self.slot_tables = torch.full((max_num_seqs + 1, self.max_blocks), num_blocks, dtype=torch.int32,
+                                      device=self.device)  # fmt: skip
+        self._slot_len = [0] * (max_num_seqs + 1)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if cuda_graphs and self.device.type == "cuda":
             self._capture(graph_batch_sizes(max_num_seqs))
@@ -74,16 +78,22 @@ class ModelRunner:
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=logits_to_keep)
         return out.logits[:, -1]
 
-    def _table(self, seq: Sequence) -> list[int]:
-        return seq.block_table + [self.scratch_block] * (self.max_blocks - len(seq.block_table))
+    def _sync_table(self, seq: Sequence, whole: bool = False) -> None:
+        """Copy seq's new block-table entries (all of them when `whole`) into its slot's row on the device."""
+        have = 0 if whole else self._slot_len[seq.slot]
+        if len(seq.block_table) > have:
+            new = torch.tensor(seq.block_table[have:], dtype=torch.int32)
+            self.slot_tables[seq.slot, have : len(seq.block_table)] = new.to(self.device, non_blocking=True)
+            self._slot_len[seq.slot] = len(seq.block_table)
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
         """Cache every not-yet-cached token of each sequence; logits of each one's last position [N, V]."""
         rows = []
         for seq in seqs:
-            table = torch.tensor(self._table(seq), dtype=torch.int32, device=self.device)
-            ids = torch.tensor(seq.token_ids, dtype=torch.long, device=self.device)
+            self._sync_table(seq, whole=True)
+            table = self.slot_tables[seq.slot]
+            ids = torch.tensor(seq.token_ids, dtype=torch.long).to(self.device, non_blocking=True)
             for start in range(seq.num_cached, len(seq), self.prefill_chunk):
                 end = min(start + self.prefill_chunk, len(seq))
                 self.step.current = Prefill(seq.slot, table, start)
@@ -96,65 +106,50 @@ class ModelRunner:
 
     @torch.inference_mode()
     def decode(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Feed each sequence's last token (cached during the step); next-token logits [B, V]."""
-        B = len(seqs)
-        ids = torch.tensor([s.token_ids[-1] for s in seqs], dtype=torch.long)
-        lens = torch.tensor([len(s) - 1 for s in seqs], dtype=torch.int32)
-        slots = torch.tensor([s.slot for s in seqs], dtype=torch.int32)
-        tables = torch.tensor([self._table(s) for s in seqs], dtype=torch.int32)
-        for s in seqs:
-            s.num_cached = len(s)
-        bs = next((b for b in sorted(self.graphs) if b >= B), None)
-        if bs is None:
-            dev = self.device
-            self.step.current = Decode(tables.to(dev), lens.to(dev), slots.to(dev), int(lens.max()) + 1)
-            logits = self._forward(ids[:, None].to(dev), lens[:, None].long().to(dev))
-            self.step.current = None
-            return logits
-        graph, out = self.graphs[bs]
-        st = self._static
-        st["ids"][:B, 0] = ids.to(self.device, non_blocking=True)
-        st["pos"][:B, 0] = lens.to(self.device, non_blocking=True)
-        st["seq_lens"][:B] = lens.to(self.device, non_blocking=True)
-        st["slots"][:B] = slots.to(self.device, non_blocking=True)
-        st["tables"][:B] = tables.to(self.device, non_blocking=True)
-        self._reset_padding(B, bs)
-        graph.replay()
-        return out[:B]
+        """Feed each sequence's last token (cached during the step); next-token logits [B, V].
 
-    def _reset_padding(self, lo: int, hi: int) -> None:
-        st = self._static
-        st["ids"][lo:hi], st["pos"][lo:hi], st["seq_lens"][lo:hi] = 0, 0, 0
-        st["slots"][lo:hi], st["tables"][lo:hi] = self.scratch_slot, self.scratch_block
+        Per step the host sends one [3, bs] tensor (token, position = tokens cached before, slot); block
+        tables live on the device, one row per slot, and only new entries are copied."""
+        B = len(seqs)
+        bs = next((b for b in sorted(self.graphs) if b >= B), B)
+        pad = bs - B
+        meta = torch.tensor([[s.token_ids[-1] for s in seqs] + [0] * pad, [len(s) - 1 for s in seqs] + [0] * pad,
+                             [s.slot for s in seqs] + [self.scratch_slot] * pad])  # fmt: skip
+        for s in seqs:
+            self._sync_table(s)
+            s.num_cached = len(s)
+        if bs in self.graphs:
+            graph, out = self.graphs[bs]
+            self._meta[:, :bs].copy_(meta, non_blocking=True)
+            graph.replay()
+            return out[:B]
+        return self._decode_forward(meta.to(self.device), max(len(s) for s in seqs), checked=True)
+
+    def _decode_forward(self, meta: torch.Tensor, max_seq_len: int, checked: bool) -> torch.Tensor:
+        slots = meta[2]
+        self.step.current = Decode(self.slot_tables[slots], meta[1].int(), slots.int(), max_seq_len, checked)
+        try:
+            return self._forward(meta[0, :, None], meta[1, :, None])
+        finally:
+            self.step.current = None
 
     @torch.inference_mode()
     def _capture(self, sizes: list[int]) -> None:
-        n, dev = max(sizes), self.device
-        self._static = {
-            "ids": torch.zeros(n, 1, dtype=torch.long, device=dev),
-            "pos": torch.zeros(n, 1, dtype=torch.long, device=dev),
-            "seq_lens": torch.zeros(n, dtype=torch.int32, device=dev),
-            "slots": torch.zeros(n, dtype=torch.int32, device=dev),
-            "tables": torch.zeros(n, self.max_blocks, dtype=torch.int32, device=dev),
-        }
-        self._reset_padding(0, n)
-        st, pool = self._static, None
+        self._meta = torch.zeros(3, max(sizes), dtype=torch.long, device=self.device)
+        self._meta[2] = self.scratch_slot
+        pool = None
         try:
             for bs in sorted(sizes, reverse=True):  # largest first: the others reuse its memory pool
-                self.step.current = Decode(st["tables"][:bs], st["seq_lens"][:bs], st["slots"][:bs],
-                                           self.max_model_len, checked=False)  # fmt: skip
-                self._forward(st["ids"][:bs], st["pos"][:bs])  # warm up: compile kernels, settle allocations
-                torch.cuda.synchronize(dev)
+                meta = self._meta[:, :bs]
+                self._decode_forward(meta, self.max_model_len, checked=False)  # warm up: compile, settle memory
+                torch.cuda.synchronize(self.device)
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    out = self._forward(st["ids"][:bs], st["pos"][:bs])
+                    out = self._decode_forward(meta, self.max_model_len, checked=False)
                 pool = graph.pool()
                 self.graphs[bs] = (graph, out)
         except RuntimeError as e:  # e.g. MoE routing that reads device data on the host
             log.warning("decode runs eagerly: the model's forward cannot be captured in a CUDA graph (%s)",
                         str(e).splitlines()[0])
             self.graphs.clear()
-        finally:
-            self.step.current = None
-            self._reset_padding(0, n)
-            torch.cuda.synchronize(dev)
+        torch.cuda.synchronize(self.device)
