@@ -249,6 +249,27 @@ def cmd_demo(args) -> None:
                 {"model": str(model_dir), "rows": [{"label": label, **r.to_dict()} for label, r in rows]})
 
 
+# ---------------------------------------------------------------- serve
+def cmd_serve(args) -> None:
+    try:
+        from quantmla.engine.server import serve
+    except ImportError as e:
+        raise ValueError(f"quantmla serve needs the serve extra ({e}): pip install -e '.[serve]'") from None
+    from quantmla.engine import LLM
+
+    llm = LLM(args.model, content=args.content, rope=args.rope, sink=args.sink, recent=args.recent,
+              device=args.device, kv_cache_bytes=args.kv_cache_bytes,
+              gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len)
+    s = llm.stats()
+    console.print(f"KV pool: {s['pages_total']} pages = {s['capacity_tokens']} tokens ({s['format']}, "
+                  f"{s['kv_cache_bytes'] / 2**20:.1f} MiB), up to {args.max_num_seqs} sequences of at most "
+                  f"{llm.max_model_len} tokens, on {llm.model.device}", soft_wrap=True)
+    console.print(f"serving {llm.model_name} at http://{args.host}:{args.port}/v1 (OpenAI API; also /health, "
+                  f"/metrics)", soft_wrap=True)
+    serve(llm, args.host, args.port)
+
+
 # ---------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -357,6 +378,32 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--samples", type=int, default=16, help="held-out windows and needle samples per cell (default 16)")
     s.add_argument("--steps", type=int, default=40, help="calibration steps per path and layer (default 40)")
     s.set_defaults(func=cmd_demo)
+    s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the paged quantized cache",
+                       description="Serve MODEL over HTTP with quantmla's engine (continuous batching over a paged "
+                                   "KV pool in the chosen formats): POST /v1/completions and "
+                                   "/v1/chat/completions (streaming with \"stream\": true), GET /v1/models, "
+                                   "/health and /metrics (Prometheus). One model, n=1. Needs the serve extra "
+                                   "(pip install -e '.[serve]').")
+    s.add_argument("model", nargs="?", help=MODEL_HELP)
+    s.add_argument("--content", help="content format: bf16, fp8, int8, int4, int2 [:group] (default: a calibrated "
+                                     "checkpoint's own, else int4)")
+    s.add_argument("--rope", help="RoPE format, same spelling (default: a calibrated checkpoint's own, else int4)")
+    s.add_argument("--sink", type=int, help="first tokens kept in BF16 (default: the checkpoint's, else 4)")
+    s.add_argument("--recent", type=int, help="most recent tokens kept in BF16 (default: the checkpoint's, else 128)")
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--device", help="torch device, e.g. cuda or cpu (default: cuda if available, else cpu)")
+    s.add_argument("--kv-cache-bytes", type=lambda v: int(float(v)),
+                   help="byte budget of the KV pool, all layers, e.g. 8e9 (default: on CUDA "
+                        "--gpu-memory-utilization of the card; on the CPU room for --max-num-seqs sequences of "
+                        "--max-model-len tokens)")
+    s.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                   help="share of the GPU's memory the model and pool may use when --kv-cache-bytes is not given "
+                        "(default 0.9)")
+    s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most (default 64)")
+    s.add_argument("--max-model-len", type=int,
+                   help="prompt + output tokens of one request at most (default: the model's max_position_embeddings)")
+    s.set_defaults(func=cmd_serve)
     return p
 
 

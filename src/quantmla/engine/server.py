@@ -1,0 +1,579 @@
+"""An OpenAI-compatible HTTP server on top of `quantmla.engine.LLM` (FastAPI + uvicorn).
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true` as server-sent events,
+`data: {...}` chunks then `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+
+Threads: the LLM is not thread-safe, so one thread (`EngineLoop`) owns it. Handlers on the asyncio loop hand
+it add/abort commands through a thread-safe queue; it runs `llm.step()` while any request is unfinished and
+sends each request's StepOutputs back to that request's asyncio queue with `loop.call_soon_threadsafe`. Text
+stays on the asyncio side: prompts are tokenized and outputs detokenized there, so the engine thread only
+sees token ids and the tokenizer is used from one thread.
+
+Errors come back in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: malformed JSON, missing
+or invalid fields and bad sampling values are 400; an unknown model is 404 (`model_not_found`); a prompt the
+engine cannot hold (longer than the model's limit or than the whole KV pool) is 400 with the engine's message.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import queue
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from quantmla.engine.sampler import SamplingParams
+
+log = logging.getLogger("quantmla.server")
+
+RATE_WINDOW_S = 10.0  # the output tokens/s gauge averages over this many recent seconds
+DISCONNECT_POLL_S = 0.5  # how often a request waiting for tokens checks whether its client went away
+
+
+# ---------------------------------------------------------------------------------------------- engine thread
+@dataclass
+class _Add:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue
+    accepted: concurrent.futures.Future  # the request id, or the exception add_request raised
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+_STOP = object()
+
+
+class EngineLoop:
+    """The one thread that touches the LLM.
+
+    `submit` adds a request and returns the asyncio queue its StepOutputs arrive on (an Exception instead
+    if the engine fails); `abort` frees a request's pages (unknown or finished ids are ignored); `stats` is
+    the engine's stats as of the last step or command, plus the server's own counters, safe from any thread.
+    """
+
+    def __init__(self, llm):
+        self.llm = llm
+        self._commands: queue.Queue = queue.Queue()
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}  # engine thread only
+        self._lock = threading.Lock()  # guards the three below, written by the engine thread
+        self._stats = dict(llm.stats())
+        self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of each step in the rate window
+        self._finished: Counter[str] = Counter()  # finished requests by reason; server aborts count as "abort"
+        self._started = time.monotonic()
+        self._thread = threading.Thread(target=self._run, name="quantmla-engine", daemon=True)
+
+    # -- any thread
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._commands.put(_STOP)
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> asyncio.Queue:
+        """Queue a request; raises what llm.add_request raised (ValueError: the request is invalid)."""
+        if not self.alive:
+            raise RuntimeError("the engine thread is not running")
+        outputs: asyncio.Queue = asyncio.Queue()
+        accepted: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add(request_id, prompt_ids, params, asyncio.get_running_loop(), outputs, accepted))
+        try:
+            await asyncio.wrap_future(accepted)
+        except asyncio.CancelledError:  # the caller went away; the engine may have taken it already
+            self.abort(request_id)
+            raise
+        return outputs
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def stats(self) -> dict:
+        now = time.monotonic()
+        with self._lock:
+            stats = dict(self._stats)
+            window = min(RATE_WINDOW_S, max(now - self._started, 1e-3))
+            recent = sum(n for t, n in self._recent if t >= now - window)
+            stats["finished"] = dict(self._finished)
+        stats["output_tokens_per_s"] = recent / window
+        return stats
+
+    # -- engine thread
+    def _run(self) -> None:
+        try:
+            self._serve_commands()
+        except BaseException as e:  # noqa: BLE001  (no handler may wait forever on a dead thread; /health says 503)
+            log.exception("the engine thread died")
+            self._fail_all(RuntimeError(f"the engine thread died: {e!r}"))
+
+    def _serve_commands(self) -> None:
+        while True:
+            # Block while idle; while requests run, take whatever arrived and step.
+            commands = [] if self.llm.has_unfinished() else [self._commands.get()]
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            for cmd in commands:
+                if cmd is _STOP:
+                    self._fail_all(RuntimeError("the server is shutting down"))
+                    return
+                self._add(cmd) if isinstance(cmd, _Add) else self._abort(cmd.request_id)
+            if self.llm.has_unfinished():
+                self._step()
+            self._publish()
+
+    def _add(self, cmd: _Add) -> None:
+        if not cmd.accepted.set_running_or_notify_cancel():  # the handler gave up before we got here
+            return
+        try:
+            self.llm.add_request(cmd.prompt_ids, cmd.params, request_id=cmd.request_id)
+        except Exception as e:  # noqa: BLE001  (ValueError: a bad request; anything else is still its error)
+            cmd.accepted.set_exception(e)
+            return
+        self._sinks[cmd.request_id] = (cmd.loop, cmd.outputs)
+        cmd.accepted.set_result(cmd.request_id)
+
+    def _abort(self, request_id: str) -> None:
+        self.llm.abort(request_id)
+        if self._sinks.pop(request_id, None) is not None:
+            with self._lock:
+                self._finished["abort"] += 1
+
+    def _step(self) -> None:
+        try:
+            outs = self.llm.step()
+        except Exception as e:  # noqa: BLE001  (an engine bug: fail the requests in flight, keep serving)
+            log.exception("engine step failed; failing %d requests", len(self._sinks))
+            self._fail_all(e)
+            return
+        tokens = 0
+        for out in outs:
+            tokens += len(out.new_token_ids)
+            self._deliver(out.request_id, out)
+            if out.finished and self._sinks.pop(out.request_id, None) is not None:
+                with self._lock:
+                    self._finished[out.finish_reason] += 1
+        now = time.monotonic()
+        with self._lock:
+            self._recent.append((now, tokens))
+            while self._recent and self._recent[0][0] < now - RATE_WINDOW_S:
+                self._recent.popleft()
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self._sinks):
+            self._deliver(request_id, error)
+            try:
+                self._abort(request_id)
+            except Exception:  # noqa: BLE001
+                log.exception("abort of %s failed", request_id)
+
+    def _deliver(self, request_id: str, item) -> None:
+        sink = self._sinks.get(request_id)
+        if sink is None:
+            return
+        loop, outputs = sink
+        try:
+            loop.call_soon_threadsafe(outputs.put_nowait, item)
+        except RuntimeError:  # its event loop is closed: nobody is listening any more
+            pass
+
+    def _publish(self) -> None:
+        stats = self.llm.stats()
+        with self._lock:
+            self._stats = dict(stats)
+
+
+# ---------------------------------------------------------------------------------------------- text
+@dataclass
+class TextStream:
+    """Incremental detokenization of one output, with stop strings.
+
+    `push(new_ids, final)` returns the text to emit now: the full token list is decoded again and only the
+    new suffix goes out. Held back until more tokens come (or the output ends): a tail ending in U+FFFD (a
+    byte-level tokenizer split a UTF-8 character) and a tail that could be the start of a stop string. When a
+    stop string appears, the text ends just before it and `stopped` turns True. The concatenation of what
+    `push` returns is the same whatever the chunking, so streamed and non-streamed outputs agree.
+    """
+
+    tokenizer: object
+    stop: tuple[str, ...] = ()
+    token_ids: list[int] = field(default_factory=list)
+    sent: int = 0  # characters of the decoded text already returned
+    stopped: bool = False
+
+    def push(self, new_ids: list[int], final: bool) -> str:
+        self.token_ids.extend(new_ids)
+        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if hits:
+            end, self.stopped = min(hits), True
+        elif final:
+            end = len(text)
+        else:
+            end = len(text.rstrip("\ufffd"))
+            end -= max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+        delta = text[self.sent : end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return delta
+
+
+@dataclass
+class Chunk:
+    """A piece of one output: new text, and the finish reason on the last piece."""
+
+    text: str
+    finish_reason: str | None
+
+
+# ---------------------------------------------------------------------------------------------- requests
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _SamplingRequest(BaseModel):
+    """The fields both endpoints share (OpenAI's names and defaults; unknown fields are ignored)."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1 (vLLM's spelling): off
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = 1
+
+
+class CompletionRequest(_SamplingRequest):
+    prompt: str | list[int]
+
+
+class TextPart(BaseModel):
+    type: str = "text"
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str | list[TextPart] | None = None
+
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "".join(p.text for p in self.content)
+        return self.content or ""
+
+
+class ChatRequest(_SamplingRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+class APIError(Exception):
+    """A request the server refuses; becomes an OpenAI error body with this status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+
+def error_response(e: APIError) -> JSONResponse:
+    body = {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+    return JSONResponse(body, status_code=e.status)
+
+
+def server_error(e: Exception) -> JSONResponse:
+    """A 500 for an unexpected failure (an engine bug): this request fails, the server goes on."""
+    log.error("request failed", exc_info=e)
+    return error_response(APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
+
+
+def chat_prompt(tokenizer, messages: list[ChatMessage]) -> str:
+    """The prompt text of a chat: the tokenizer's chat template (with the generation prompt) when it has one;
+    otherwise one "role: content" line per message, then "assistant: " for the model to continue."""
+    plain = [{"role": m.role, "content": m.text()} for m in messages]
+    if getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+    return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: "
+
+
+def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
+    stop = [stop] if isinstance(stop, str) else list(stop or [])
+    if any(not s for s in stop):
+        raise APIError(400, "stop strings must not be empty", "stop")
+    return tuple(stop)
+
+
+def sampling_params(req: _SamplingRequest, max_tokens: int) -> SamplingParams:
+    if req.n != 1:
+        raise APIError(400, f"only n=1 is supported, got n={req.n}", "n")
+    try:
+        return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
+                              top_k=0 if req.top_k == -1 else req.top_k, seed=req.seed)
+    except ValueError as e:
+        raise APIError(400, str(e), str(e).split()[0]) from None
+
+
+# ---------------------------------------------------------------------------------------------- the app
+@dataclass
+class _Job:
+    """One accepted request: what the handler needs to stream or collect it."""
+
+    request_id: str
+    prompt_tokens: int
+    outputs: asyncio.Queue
+    text: TextStream
+
+
+class Server:
+    """The handlers' shared state: the LLM's fixed facts and the engine thread."""
+
+    def __init__(self, llm):
+        if llm.tokenizer is None:
+            raise ValueError("the server needs a tokenizer (the LLM has none: pass tokenizer=...)")
+        self.llm = llm
+        self.tokenizer = llm.tokenizer
+        self.model_name = llm.model_name
+        self.max_model_len = llm.max_model_len
+        self.engine = EngineLoop(llm)
+        self.created = int(time.time())
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        """Token ids as llm.add_request would make them (no special tokens added); the engine checks them."""
+        return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
+
+    async def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
+                    prefix: str) -> _Job:
+        request_id = f"{prefix}-{uuid.uuid4().hex}"
+        try:
+            outputs = await self.engine.submit(request_id, prompt_ids, params)
+        except ValueError as e:  # the engine's own checks: too long for the model, larger than the pool
+            raise APIError(400, str(e), "prompt") from None
+        return _Job(request_id, len(prompt_ids), outputs, TextStream(self.tokenizer, stop))
+
+    async def chunks(self, job: _Job, request: Request) -> AsyncIterator[Chunk]:
+        """The output of an accepted request, piece by piece. Aborts it in the engine when it stops early
+        (a stop string, the client going away, cancellation), so its pages are freed at once."""
+        engine_done, next_check = False, time.monotonic() + DISCONNECT_POLL_S
+        try:
+            while True:
+                try:
+                    out = await asyncio.wait_for(job.outputs.get(), DISCONNECT_POLL_S)
+                except asyncio.TimeoutError:
+                    out = None
+                if time.monotonic() >= next_check:  # tokens may come faster than the poll: go by the clock
+                    if await request.is_disconnected():
+                        return
+                    next_check = time.monotonic() + DISCONNECT_POLL_S
+                if out is None:
+                    continue
+                batch = [out]  # take all that arrived: one decode for them, fewer chunks when we fall behind
+                while not job.outputs.empty():
+                    batch.append(job.outputs.get_nowait())
+                for item in batch:
+                    if isinstance(item, Exception):
+                        raise item
+                last = batch[-1]  # a request's finishing output is its last one
+                engine_done = last.finished
+                delta = job.text.push([t for o in batch for t in o.new_token_ids], last.finished)
+                reason = "stop" if job.text.stopped else last.finish_reason if last.finished else None
+                if delta or reason:
+                    yield Chunk(delta, reason)
+                if reason:
+                    return
+        finally:
+            if not engine_done:
+                self.engine.abort(job.request_id)
+
+    def usage(self, job: _Job) -> dict:
+        completion = len(job.text.token_ids)
+        return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
+                "total_tokens": job.prompt_tokens + completion}
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj)}\n\n"
+
+
+def _choice(text: str, reason: str | None, chat: bool, stream: bool) -> dict:
+    if not chat:
+        body = {"text": text}
+    elif stream:
+        body = {"delta": {"content": text} if text else {}}
+    else:
+        body = {"message": {"role": "assistant", "content": text}}
+    return {"index": 0, **body, "logprobs": None, "finish_reason": reason}
+
+
+async def _respond(server: Server, req: _SamplingRequest, job: _Job, request: Request, chat: bool):
+    """The OpenAI response for an accepted job: a JSON body, or an SSE stream when req.stream."""
+    head = {"id": job.request_id, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": server.model_name}
+    if not req.stream:
+        text, reason = [], None
+        try:
+            async for c in server.chunks(job, request):
+                text.append(c.text)
+                reason = c.finish_reason
+        except Exception as e:  # noqa: BLE001  (the engine failed: this request fails, the server goes on)
+            return server_error(e)
+        return JSONResponse({**head, "choices": [_choice("".join(text), reason, chat, False)],
+                             "usage": server.usage(job)})
+
+    chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
+
+    async def events():
+        if chat:  # OpenAI opens a chat stream with the role
+            yield _sse({**chunk_head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                   "logprobs": None, "finish_reason": None}]})
+        try:
+            async for c in server.chunks(job, request):
+                yield _sse({**chunk_head, "choices": [_choice(c.text, c.finish_reason, chat, True)]})
+        except Exception as e:  # noqa: BLE001  (the status line is sent already: report in the stream)
+            log.error("request %s failed", job.request_id, exc_info=e)
+            yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
+        else:
+            if req.stream_options and req.stream_options.include_usage:
+                yield _sse({**chunk_head, "choices": [], "usage": server.usage(job)})
+        yield "data: [DONE]\n\n"
+
+    # The abort in the background also covers a client that leaves while a chunk is being sent (the
+    # generator is then suspended at a yield and its `finally` would wait for garbage collection).
+    return StreamingResponse(events(), media_type="text/event-stream",
+                             background=BackgroundTask(server.engine.abort, job.request_id))
+
+
+def metrics_text(stats: dict) -> str:
+    """Prometheus text exposition of the engine's state."""
+    rows = [
+        ("quantmla_requests_running", "gauge", "Requests in the running batch.", stats["running"]),
+        ("quantmla_requests_waiting", "gauge", "Requests queued for a prefill.", stats["waiting"]),
+        ("quantmla_preemptions_total", "counter", "Requests preempted (pages reclaimed, recomputed later).",
+         stats["preemptions"]),
+        ("quantmla_kv_pages_total", "gauge", "Pages in the KV pool.", stats["pages_total"]),
+        ("quantmla_kv_pages_used", "gauge", "KV pages held by requests.", stats["pages_used"]),
+        ("quantmla_kv_pages_free", "gauge", "Free KV pages.", stats["pages_free"]),
+        ("quantmla_kv_capacity_tokens", "gauge", "Tokens the KV pool holds.", stats["capacity_tokens"]),
+        ("quantmla_prompt_tokens_total", "counter", "Prompt tokens prefilled.", stats["prompt_tokens"]),
+        ("quantmla_generation_tokens_total", "counter", "Tokens generated.", stats["tokens_generated"]),
+        ("quantmla_engine_steps_total", "counter", "Engine steps (prefill or decode).", stats["steps"]),
+        ("quantmla_output_tokens_per_second", "gauge",
+         f"Tokens generated per second over the last {RATE_WINDOW_S:g} s.", stats["output_tokens_per_s"]),
+    ]
+    lines = []
+    for name, kind, help_text, value in rows:
+        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
+    name = "quantmla_requests_finished_total"
+    lines += [f"# HELP {name} Requests finished, by reason (abort: stop string or client gone).",
+              f"# TYPE {name} counter"]
+    lines += [f'{name}{{reason="{r}"}} {n}' for r, n in sorted(stats["finished"].items())]
+    return "\n".join(lines) + "\n"
+
+
+def build_app(llm) -> FastAPI:
+    """The FastAPI app serving `llm`. Its lifespan starts and stops the engine thread; `app.state.server`
+    is the `Server` (its `engine.stats()` is safe to read from any thread)."""
+    server = Server(llm)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        server.engine.start()
+        yield
+        server.engine.stop()
+
+    app = FastAPI(title="quantmla", lifespan=lifespan)
+    app.state.server = server
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, e: RequestValidationError):
+        err = e.errors()[0]
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        if err.get("type") == "json_invalid":
+            return error_response(APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', '')}"))
+        where = ".".join(loc)
+        return error_response(APIError(400, f"{where or 'body'}: {err.get('msg')}", loc[0] if loc else None))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, e: StarletteHTTPException):
+        return error_response(APIError(e.status_code, str(e.detail), code=str(e.status_code)))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, e: Exception):
+        return server_error(e)
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest, request: Request):
+        server.check_model(req.model)
+        prompt_ids = server.encode(req.prompt)
+        params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens)  # OpenAI's default
+        job = await server.start(prompt_ids, params, stop_strings(req.stop), "cmpl")
+        return await _respond(server, req, job, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest, request: Request):
+        server.check_model(req.model)
+        prompt_ids = server.encode(chat_prompt(server.tokenizer, req.messages))
+        max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        if max_tokens is None:  # OpenAI's default: as much as the context (and the whole pool) leaves
+            max_tokens = max(min(server.max_model_len, server.llm.capacity_tokens) - len(prompt_ids), 1)
+        job = await server.start(prompt_ids, sampling_params(req, max_tokens), stop_strings(req.stop), "chatcmpl")
+        return await _respond(server, req, job, request, chat=True)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
+                                            "owned_by": "quantmla", "max_model_len": server.max_model_len}]}
+
+    @app.get("/health")
+    async def health():
+        if not server.engine.alive:
+            return JSONResponse({"status": "engine thread stopped"}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(metrics_text(server.engine.stats()), media_type="text/plain; version=0.0.4")
+
+    return app
+
+
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve `llm` until interrupted."""
+    import uvicorn
+
+    uvicorn.run(build_app(llm), host=host, port=port, log_level=log_level)

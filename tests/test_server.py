@@ -1,0 +1,422 @@
+"""The OpenAI-compatible server (quantmla.engine.server) over real HTTP: uvicorn on 127.0.0.1 in a background
+thread, the real engine on the shipped default model on the CPU, httpx as the client.
+
+Expected outputs come from the same LLM's `generate`, run before the server takes the engine over (greedy
+outputs do not depend on the batch, which the engine's own tests check)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+from dataclasses import dataclass
+
+import httpx
+import pytest
+import uvicorn
+
+from quantmla.engine import LLM, RequestOutput, SamplingParams
+from quantmla.engine.server import Server, TextStream, build_app
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MAX_TOKENS = 24
+MAX_NUM_SEQS = 8
+PROMPTS = ["def add(a, b):\n    return", "import os\n", "class Point:\n    def __init__(self", "for i in range(",
+           "# Copyright", "x = [", "    if not ", "def main():"]
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
+CHAT_TEXT = "system: You write Python.\nuser: def add(a, b):\nassistant: "  # the fallback template
+
+
+@dataclass
+class Served:
+    url: str
+    llm: LLM
+    server: Server
+    client: httpx.Client
+    expected: dict[str, RequestOutput]  # greedy, MAX_TOKENS, per prompt (and CHAT_TEXT)
+
+    def stats(self) -> dict:
+        return self.server.engine.stats()  # the engine thread's snapshot: safe from this thread
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Stats once no request holds pages any more; fails after `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while True:
+            s = self.stats()
+            if s["pages_used"] == 0 and s["running"] == s["waiting"] == 0:
+                return s
+            assert time.monotonic() < deadline, f"still busy after {timeout} s: {s}"
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def served(one_thread):
+    llm = LLM(device="cpu", kv_cache_bytes=14 << 20, max_num_seqs=MAX_NUM_SEQS)
+    # a pool smaller than the model's limit, so "larger than the pool" and "longer than the model" differ
+    assert 1000 < llm.capacity_tokens < llm.max_model_len - 200
+    params = SamplingParams(max_tokens=MAX_TOKENS)
+    expected = {p: llm.generate(p, params)[0] for p in [*PROMPTS, CHAT_TEXT]}
+    app = build_app(llm)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        with httpx.Client(base_url=url, timeout=60) as client:
+            yield Served(url, llm, app.state.server, client, expected)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def sse_events(lines) -> list[dict]:
+    """The JSON events of an SSE body; checks the framing and that `data: [DONE]` comes last."""
+    data = [line[len("data: "):] for line in lines if line]
+    assert all(line.startswith("data: ") for line in lines if line)
+    assert data and data[-1] == "[DONE]", data[-3:]
+    return [json.loads(d) for d in data[:-1]]
+
+
+def stream(client: httpx.Client, path: str, body: dict) -> list[dict]:
+    with client.stream("POST", path, json={**body, "stream": True}) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(list(r.iter_lines()))
+
+
+def streamed_text(events: list[dict], chat: bool) -> str:
+    key = (lambda c: c["delta"].get("content", "")) if chat else (lambda c: c["text"])
+    return "".join(key(c) for e in events for c in e["choices"])
+
+
+def assert_openai_error(r: httpx.Response, status: int, param: str | None = None, code: str | None = None):
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["type"] == "invalid_request_error"
+    if param is not None:
+        assert err["param"] == param, err
+    if code is not None:
+        assert err["code"] == code, err
+    return err
+
+
+def metrics(served: Served) -> dict[str, float]:
+    r = served.client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for line in r.text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def good_request_works(served: Served):
+    p = PROMPTS[0]
+    r = served.client.post("/v1/completions", json={"prompt": p, "max_tokens": 3, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == served.llm.decode(
+        served.expected[p].token_ids[:3])
+
+
+# --------------------------------------------------------------------------------------------- basics
+def test_models_health_and_metrics(served):
+    r = served.client.get("/v1/models").json()
+    assert r["object"] == "list" and [m["id"] for m in r["data"]] == [served.llm.model_name]
+    assert r["data"][0]["max_model_len"] == served.llm.max_model_len
+    assert served.client.get("/health").json() == {"status": "ok"}
+    m = metrics(served)
+    assert m["quantmla_kv_pages_total"] == served.stats()["pages_total"] > 0
+    assert m["quantmla_kv_pages_used"] + m["quantmla_kv_pages_free"] == m["quantmla_kv_pages_total"]
+    assert m["quantmla_kv_capacity_tokens"] == served.llm.capacity_tokens
+    for name in ("quantmla_requests_running", "quantmla_requests_waiting", "quantmla_preemptions_total",
+                 "quantmla_generation_tokens_total", "quantmla_output_tokens_per_second"):
+        assert name in m
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_completion_equals_the_engine(served, as_ids):
+    p = PROMPTS[2]
+    want = served.expected[p]
+    prompt = want.prompt_token_ids if as_ids else p
+    r = served.client.post("/v1/completions", json={"model": served.llm.model_name, "prompt": prompt,
+                                                    "max_tokens": MAX_TOKENS, "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "text_completion" and body["id"].startswith("cmpl-")
+    assert body["model"] == served.llm.model_name and isinstance(body["created"], int)
+    (choice,) = body["choices"]
+    assert choice["index"] == 0 and choice["text"] == want.text and choice["finish_reason"] == want.finish_reason
+    n_prompt, n_out = len(want.prompt_token_ids), len(want.token_ids)
+    assert body["usage"] == {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+
+
+def test_chat_uses_the_fallback_template(served):
+    assert not getattr(served.llm.tokenizer, "chat_template", None)  # else the fallback is not what runs
+    want = served.expected[CHAT_TEXT]
+    # the same chat, with the user's content as a list of text parts
+    messages = [CHAT[0], {"role": "user", "content": [{"type": "text", "text": "def add"},
+                                                      {"type": "text", "text": "(a, b):"}]}]
+    r = served.client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": MAX_TOKENS,
+                                                         "temperature": 0})
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-")
+    assert body["choices"][0]["message"] == {"role": "assistant", "content": want.text}
+    assert body["choices"][0]["finish_reason"] == want.finish_reason
+    assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
+    assert body["usage"]["completion_tokens"] == len(want.token_ids)
+
+
+@pytest.mark.parametrize("chat", [False, True])
+def test_streaming_equals_non_streaming(served, chat):
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    body = {"messages": CHAT} if chat else {"prompt": PROMPTS[0]}
+    body.update(max_tokens=MAX_TOKENS, temperature=0)
+    whole = served.client.post(path, json=body).json()
+    events = stream(served.client, path, {**body, "stream_options": {"include_usage": True}})
+    *chunks, usage = events
+    assert usage["choices"] == [] and usage["usage"] == whole["usage"]
+    assert all(e["id"] == chunks[0]["id"] for e in events)
+    assert {e["object"] for e in events} == {"chat.completion.chunk" if chat else "text_completion"}
+    if chat:
+        assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    reasons = [e["choices"][0]["finish_reason"] for e in chunks]
+    want = whole["choices"][0]
+    assert reasons[-1] == want["finish_reason"] and set(reasons[:-1]) == {None}
+    assert len(chunks) >= 3  # it did stream
+    assert streamed_text(chunks, chat) == (want["message"]["content"] if chat else want["text"])
+    # without stream_options, no usage chunk
+    assert all("usage" not in e for e in stream(served.client, path, body))
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_stop_string_trims_and_frees_the_request(served, streaming):
+    p = PROMPTS[0]
+    text = served.expected[p].text  # " add(a, b)\n\n\ndef _add_args(a, b)" and the like
+    stop = text[text.index("\n") : text.index("\n") + 2]
+    cut = text[: text.index(stop)]
+    assert 0 < len(cut) < len(text) - 2
+    body = {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": ["never there", stop]}
+    before = served.wait_idle()["tokens_generated"]
+    if streaming:
+        events = stream(served.client, "/v1/completions", body)
+        got, reason = streamed_text(events, False), events[-1]["choices"][0]["finish_reason"]
+    else:
+        choice = served.client.post("/v1/completions", json=body).json()["choices"][0]
+        got, reason = choice["text"], choice["finish_reason"]
+    assert got == cut and reason == "stop"
+    after = served.wait_idle()["tokens_generated"]
+    assert after - before < MAX_TOKENS  # aborted in the engine at the stop string, not run to max_tokens
+
+
+# --------------------------------------------------------------------------------------------- detokenization
+def feed(stream_: TextStream, ids: list[int]) -> list[str]:
+    return [stream_.push([t], final=i == len(ids) - 1) for i, t in enumerate(ids)]
+
+
+def test_text_stream_holds_back_split_utf8_and_stop_prefixes(served):
+    tok = served.llm.tokenizer
+    text = "aé€😀b = 1"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) > len(text)  # byte-level: characters split over tokens
+    deltas = feed(TextStream(tok), ids)
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
+    assert deltas[ids.index(tok.encode("€", add_special_tokens=False)[0])] == ""  # held back mid-character
+    s = TextStream(tok, stop=("😀b",))
+    deltas = feed(s, ids)
+    assert "".join(deltas) == "aé€" and s.stopped
+    # a tail that may begin a stop string waits; it goes out once it cannot
+    s = TextStream(tok, stop=("= 2",))
+    deltas = feed(s, ids)
+    assert "".join(deltas) == text and not s.stopped
+    assert deltas[-2] == "" and deltas[-1] == "= 1"
+
+
+# --------------------------------------------------------------------------------------------- bad requests
+BAD = [
+    ("/v1/completions", '{"prompt": "x", ', 400, None, None),  # malformed JSON
+    ("/v1/completions", "[1, 2]", 400, None, None),  # not an object
+    ("/v1/completions", {}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": 3}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [300]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "max_tokens": 0}, 400, "max_tokens", None),
+    ("/v1/completions", {"prompt": "x", "temperature": -1}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
+    ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", None),
+    ("/v1/completions", {"prompt": "x", "seed": "s"}, 400, "seed", None),
+    ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stream": True, "n": 3}, 400, "n", None),
+    ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
+    ("/v1/completions", {"prompt": "x" * 5000, "max_tokens": 1}, 400, "prompt", None),  # > model's limit
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "prompt", None),  # > model's limit
+    ("/v1/chat/completions", {}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model", "model_not_found"),
+    ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n", None),
+]
+
+
+@pytest.mark.parametrize("path, body, status, param, code", BAD)
+def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, path, body, status, param, code):
+    if isinstance(body, str):
+        r = served.client.post(path, content=body, headers={"content-type": "application/json"})
+    else:
+        r = served.client.post(path, json=body)
+    assert_openai_error(r, status, param, code)
+    assert served.wait_idle()["pages_used"] == 0  # nothing was queued
+    good_request_works(served)
+
+
+def test_pool_and_model_limits_are_told_apart(served):
+    pool = {"prompt": "x" * (served.llm.capacity_tokens + 100), "max_tokens": 1}
+    model = {"prompt": "x" * (served.llm.max_model_len + 1), "max_tokens": 1}
+    assert "KV pool" in assert_openai_error(served.client.post("/v1/completions", json=pool), 400)["message"]
+    assert "model's limit" in assert_openai_error(served.client.post("/v1/completions", json=model), 400)["message"]
+    assert served.wait_idle()["pages_used"] == 0
+    good_request_works(served)
+
+
+def test_unknown_route_and_method_get_openai_errors(served):
+    assert served.client.get("/v1/nothing").status_code == 404
+    assert served.client.get("/v1/completions").status_code == 405
+    assert "error" in served.client.get("/v1/nothing").json()
+
+
+def test_an_engine_failure_fails_its_requests_not_the_server(served):
+    llm = served.llm
+
+    def boom():
+        del llm.step  # fail once, then the class's step is back
+        raise RuntimeError("injected engine failure")
+
+    served.wait_idle()
+    llm.step = boom
+    r = served.client.post("/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 8})
+    assert r.status_code == 500 and "injected engine failure" in r.json()["error"]["message"]
+    assert "step" not in vars(llm)
+    served.wait_idle()
+    good_request_works(served)
+
+
+# --------------------------------------------------------------------------------------------- concurrency
+async def _completion(client: httpx.AsyncClient, prompt: str, streaming: bool, max_tokens: int = MAX_TOKENS):
+    """(text, finish_reason, completion_tokens) of one greedy completion."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    if not streaming:
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        j = r.json()
+        return j["choices"][0]["text"], j["choices"][0]["finish_reason"], j["usage"]["completion_tokens"]
+    body.update(stream=True, stream_options={"include_usage": True})
+    async with client.stream("POST", "/v1/completions", json=body) as r:
+        assert r.status_code == 200
+        *chunks, usage = sse_events([line async for line in r.aiter_lines()])
+    return streamed_text(chunks, False), chunks[-1]["choices"][0]["finish_reason"], usage["usage"]["completion_tokens"]
+
+
+def test_concurrent_requests_each_get_their_own_output(served):
+    async def run():
+        async with httpx.AsyncClient(base_url=served.url, timeout=60) as client:
+            return await asyncio.gather(*(_completion(client, p, i % 2 == 1) for i, p in enumerate(PROMPTS)))
+
+    got = asyncio.run(run())
+    for p, (text, reason, n) in zip(PROMPTS, got):
+        want = served.expected[p]
+        assert (text, reason, n) == (want.text, want.finish_reason, len(want.token_ids)), p
+    assert served.wait_idle()["peak_batch"] >= 4  # they did run together
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_client_disconnect_aborts_and_frees_pages(served, streaming):
+    before, aborted = served.wait_idle(), served.stats()["finished"].get("abort", 0)
+    body = {"prompt": "def main():", "max_tokens": 2000, "temperature": 0}  # greedy: 2000 tokens, no eos
+    if streaming:
+        with served.client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            lines = r.iter_lines()
+            assert sum(line.startswith("data: ") for line, _ in zip(lines, range(12))) >= 5
+            assert served.stats()["pages_used"] > 0
+    else:  # the client gives up waiting: its connection closes while the request runs
+        with pytest.raises(httpx.ReadTimeout):
+            served.client.post("/v1/completions", json=body, timeout=1.0)
+        assert served.stats()["pages_used"] > 0
+    after = served.wait_idle(timeout=8)  # 2000 tokens would take far longer on a CPU
+    assert after["tokens_generated"] - before["tokens_generated"] < 2000
+    assert metrics(served)['quantmla_requests_finished_total{reason="abort"}'] == aborted + 1  # not run out
+    good_request_works(served)
+
+
+def test_load_200_requests_16_clients(served):
+    n_requests, n_clients = 200, 16
+    before, m0 = served.wait_idle(), metrics(served)
+    results: list = [None] * n_requests
+
+    async def client_task(client, next_index):
+        while (i := next(next_index, None)) is not None:
+            prompt = PROMPTS[i % len(PROMPTS)] + str(i)
+            if i % 3 == 2:
+                r = await client.post("/v1/chat/completions", json={
+                    "messages": [{"role": "user", "content": prompt}], "max_tokens": 1 + i % 4, "temperature": 0.8,
+                    "seed": i})
+                assert r.status_code == 200, r.text
+                j = r.json()
+                results[i] = (j["choices"][0]["finish_reason"], j["usage"]["completion_tokens"])
+            else:
+                _, reason, n = await _completion(client, prompt, i % 3 == 1, max_tokens=1 + i % 4)
+                results[i] = (reason, n)
+
+    async def run():
+        indices = iter(range(n_requests))
+        limits = httpx.Limits(max_connections=n_clients)
+        async with httpx.AsyncClient(base_url=served.url, timeout=60, limits=limits) as client:
+            await asyncio.wait_for(asyncio.gather(*(client_task(client, indices) for _ in range(n_clients))), 120)
+
+    t0 = time.monotonic()
+    asyncio.run(run())
+    elapsed = time.monotonic() - t0
+    assert all(r is not None for r in results)
+    for i, (reason, n) in enumerate(results):
+        assert (reason == "length" and n == 1 + i % 4) or (reason == "stop" and 1 <= n <= 1 + i % 4), (i, reason, n)
+    after, m1 = served.wait_idle(), metrics(served)
+    assert after["pages_used"] == 0 and after["pages_free"] == after["pages_total"]
+    assert after["peak_batch"] == MAX_NUM_SEQS  # the batch filled up
+    done = sum(m1.get(f'quantmla_requests_finished_total{{reason="{r}"}}', 0)
+               - m0.get(f'quantmla_requests_finished_total{{reason="{r}"}}', 0) for r in ("stop", "length", "abort"))
+    assert done == n_requests
+    generated = sum(n for _, n in results)
+    assert after["tokens_generated"] - before["tokens_generated"] == generated
+    assert m1["quantmla_generation_tokens_total"] - m0["quantmla_generation_tokens_total"] == generated
+    assert m1["quantmla_kv_pages_used"] == 0 and m1["quantmla_requests_running"] == 0
+    assert m1["quantmla_output_tokens_per_second"] > 0
+    print(f"load: {n_requests} requests, {generated} tokens in {elapsed:.1f} s")
+
+
+# --------------------------------------------------------------------------------------------- the command
+def test_serve_command_builds_the_engine_and_says_where(monkeypatch, capsys):
+    import quantmla.engine.server as server_module
+    from quantmla.cli import main
+
+    served_with = []
+    monkeypatch.setattr(server_module, "serve", lambda llm, host, port: served_with.append((llm, host, port)))
+    assert main(["serve", "--device", "cpu", "--content", "int2", "--kv-cache-bytes", "14e6", "--max-num-seqs", "4",
+                 "--max-model-len", "1024", "--port", "8123"]) == 0
+    (llm, host, port), = served_with
+    assert (host, port, llm.max_model_len, llm.stats()["format"]) == ("127.0.0.1", 8123, 1024, "int2/int4")
+    out = capsys.readouterr().out
+    assert "http://127.0.0.1:8123/v1" in out and f"{llm.capacity_tokens} tokens" in out
+    assert main(["serve", "--device", "cpu", "--kv-cache-bytes", "1000"]) == 2  # no page fits: one-line error
+    assert "holds no page" in capsys.readouterr().err
