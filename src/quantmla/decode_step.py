@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from quantmla.cache.paged import PagedMLACache
+from quantmla.kernels.cache_write import append_decode_fused
 from quantmla.kernels.mla_decode import mla_decode, mla_decode_reference
 from quantmla.mla import absorb_queries, project_cache, project_queries, split_kv_b
 from quantmla.models.adapters import MLALayer
@@ -56,12 +57,16 @@ def decode_step(
         raise ValueError(f"decode_step takes one new token per sequence: hidden [B, 1, hidden], "
                          f"got {tuple(hidden.shape)}")
     c, k_pe = project_cache(attn, layer, hidden, position_embeddings)
-    cache.append_decode(slots, block_tables, seq_lens, c[:, 0], k_pe[:, 0], checked=checked)
+    use_triton = kernel == "triton" or (kernel == "auto" and hidden.is_cuda)
+    # The fused writer (one Triton launch, byte-identical to the torch writer) when unchecked; checked writes
+    # read the data on the host anyway and go through PagedMLACache.append_decode.
+    write = append_decode_fused if use_triton else PagedMLACache.append_decode
+    write(cache, slots, block_tables, seq_lens, c[:, 0], k_pe[:, 0], checked=checked)
     q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
     w_uk, w_uv = split_kv_b(attn, layer)
     # In the weights' own dtype: no per-step fp32 copies of W_uk / W_uv (the kernel rounds q to bf16 anyway).
     q_abs = absorb_queries(q_nope, w_uk)[:, :, 0]
-    if kernel == "triton" or (kernel == "auto" and hidden.is_cuda):
+    if use_triton:
         latent, _ = mla_decode(q_abs, q_pe[:, :, 0], cache, block_tables, seq_lens + 1, slots,
                                layer.softmax_scale, max_seq_len=max_seq_len)  # fmt: skip
     else:

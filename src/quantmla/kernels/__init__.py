@@ -2,8 +2,11 @@
 
 `mla_decode` (alias `decode`): absorbed-MLA decode over a `quantmla.cache.paged.PagedMLACache`; a whole
 layer's decode step around it (projections, cache write, o_proj) is `quantmla.decode_step.decode_step`.
+`append_decode_fused`: the decode step's cache write in one launch; its reference is
+`PagedMLACache.append_decode`.
 """
 
+from quantmla.kernels.cache_write import append_decode_fused
 from quantmla.kernels.mla_decode import KernelConfig, decode, default_config, mla_decode, mla_decode_reference
 
-__all__ = ["KernelConfig", "decode", "default_config", "mla_decode", "mla_decode_reference"]
+__all__ = ["KernelConfig", "append_decode_fused", "decode", "default_config", "mla_decode", "mla_decode_reference"]
