@@ -180,12 +180,14 @@ class PagedMLACache:
 
     # --- writers -------------------------------------------------------------------------------------
 
-    def append(self, slot: int, block_table: torch.Tensor, seq_len: int, c: torch.Tensor, k_pe: torch.Tensor):
+    def append(self, slot: int, block_table: torch.Tensor, seq_len: int, c: torch.Tensor, k_pe: torch.Tensor,
+               checked: bool = True):
         """Append n tokens (c [n, dc], k_pe [n, dr], positions seq_len .. seq_len+n-1) to one sequence.
 
         Host-driven (prefill, tests). block_table [max_blocks] int32 must already cover the new length.
         Tokens that leave the recent window are quantized (from the ring or straight from the input),
-        then the new tokens that stay protected are written to the sink rows or the ring.
+        then the new tokens that stay protected are written to the sink rows or the ring. checked=False skips
+        the NaN/range checks (each a host sync; the engine's prefill vouches for its activations).
         """
         n, L, dev = c.shape[0], seq_len, c.device
         if n == 0:
@@ -199,8 +201,8 @@ class PagedMLACache:
             src_c = torch.cat([self.protected_content[slot, ring].to(c.dtype), c[fresh]])
             src_r = torch.cat([self.protected_rope[slot, ring].to(k_pe.dtype), k_pe[fresh]])
             dst = self.pool_rows(block_table, torch.arange(q_lo, q_hi, device=dev))
-            self.content.write(dst, src_c)
-            self.rope.write(dst, src_r)
+            self.content.write(dst, src_c, checked)
+            self.rope.write(dst, src_r, checked)
         # New tokens that stay protected: sink positions and the last `recent` positions.
         pos = torch.arange(L, new_len, device=dev)
         keep = (pos < self.sink) | (pos >= max(self.sink, new_len - self.recent))
@@ -257,22 +259,28 @@ class PagedMLACache:
     def gather(
         self, slot: int, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dequantized cache of one sequence in position order: (c [L, dc], k_pe [L, dr]) in `dtype`."""
+        """Dequantized cache of one sequence in position order: (c [L, dc], k_pe [L, dr]) in `dtype`.
+        Positions [sink, L - recent) come from the pools, the others from the protected rows; the ranges are
+        computed on the host from seq_len, so nothing reads device data (no syncs)."""
         dev = self.protected_content.device
-        c = torch.empty(seq_len, self.kv_lora_rank, dtype=dtype, device=dev)
-        r = torch.empty(seq_len, self.rope_dim, dtype=dtype, device=dev)
-        pos = torch.arange(seq_len, device=dev)
-        quant = (pos >= self.sink) & (pos < seq_len - self.recent)
-        if quant.any():
-            rows = self.pool_rows(block_table, pos[quant])
-            c[quant] = self.content.read(rows, dtype)
-            r[quant] = self.rope.read(rows, dtype)
-        prot = ~quant
-        if prot.any():
-            rows = self.protected_row(pos[prot])
-            c[prot] = self.protected_content[slot, rows].to(dtype)
-            r[prot] = self.protected_rope[slot, rows].to(dtype)
-        return c, r
+        lo, hi = min(self.sink, seq_len), max(self.sink, seq_len - self.recent)
+        parts_c, parts_r = [], []
+        for a, b, pooled in ((0, lo, False), (self.sink, hi, True), (max(hi, lo), seq_len, False)):
+            if b <= a:
+                continue
+            pos = torch.arange(a, b, device=dev)
+            if pooled:
+                rows = self.pool_rows(block_table, pos)
+                parts_c.append(self.content.read(rows, dtype))
+                parts_r.append(self.rope.read(rows, dtype))
+            else:
+                rows = self.protected_row(pos)
+                parts_c.append(self.protected_content[slot, rows].to(dtype))
+                parts_r.append(self.protected_rope[slot, rows].to(dtype))
+        if not parts_c:
+            return (torch.empty(0, self.kv_lora_rank, dtype=dtype, device=dev),
+                    torch.empty(0, self.rope_dim, dtype=dtype, device=dev))
+        return torch.cat(parts_c), torch.cat(parts_r)
 
 
 def make_block_tables(

@@ -75,7 +75,7 @@ def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hi
     skip, held = max(lo - start, 0), cache.protected_content.dtype
     band_c = torch.cat([old_c, c[skip:].to(held)]).to(dtype)  # as the ring holds them (bf16 when serving)
     band_r = torch.cat([old_r, k_pe[skip:].to(held)]).to(dtype)
-    cache.append(ctx.slot, ctx.block_table, start, c, k_pe)
+    cache.append(ctx.slot, ctx.block_table, start, c, k_pe, checked=False)
     hist_c, hist_r = cache.gather(ctx.slot, ctx.block_table, end, dtype)
 
     t = torch.arange(start, end, device=dev)[:, None]

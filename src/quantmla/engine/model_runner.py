@@ -123,7 +123,9 @@ class ModelRunner:
             self._meta[:, :bs].copy_(meta, non_blocking=True)
             graph.replay()
             return out[:B]
-        return self._decode_forward(meta.to(self.device), max(len(s) for s in seqs), checked=True)
+        # max_model_len bounds the kernel's split as in the graphs: the same summation order with and without
+        # them, so outputs do not depend on which batch sizes were captured.
+        return self._decode_forward(meta.to(self.device), self.max_model_len, checked=True)
 
     def _decode_forward(self, meta: torch.Tensor, max_seq_len: int, checked: bool) -> torch.Tensor:
         slots = meta[2]
