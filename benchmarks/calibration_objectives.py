@@ -1,5 +1,6 @@
-"""Each path's calibration objective, identity transform vs calibrated, per layer, on held-out calibration
-sequences with real quantization — what `quantmla calibrate` prints, kept as a results file.
+"""Each path's calibration objective, identity transform vs calibrated, per layer, on the report sequences
+(neither fit nor selected the transform) with real quantization and the serving policy (sink 4 and recent
+128 BF16) — what `quantmla calibrate` prints, kept as a results file.
 
     python benchmarks/calibration_objectives.py [--content int4 --rope int4] [--out benchmarks/results]
 """
@@ -28,9 +29,10 @@ if __name__ == "__main__":
     name = f"calibration_objectives_{a.content}_{a.rope}".replace(":", "g")
     lines = [
         f"Calibration objectives of the default model, content {a.content}, RoPE {a.rope} (defaults of "
-        "`quantmla calibrate`: 8 x 512 tokens of the built-in calibration text, half fit and half judge, 100 "
-        "steps per path). Content: attention-output NMSE; RoPE: positional QK error (normalised). Real "
-        f"quantization, held-out sequences. Command: `python benchmarks/calibration_objectives.py --content "
+        "`quantmla calibrate`: 8 x 512 tokens of the built-in calibration text, 4 fit, 2 select, 2 report, 100 "
+        "steps per path; queries at positions 260-511, each seeing the keys in [4, t - 127) quantized). "
+        "Content: attention-output NMSE; RoPE: positional QK error (normalised). Real quantization, on the 2 "
+        f"report sequences. Command: `python benchmarks/calibration_objectives.py --content "
         f"{a.content} --rope {a.rope}` ({datetime.date.today()}, CPU {platform.machine()}).",
         "",
         "| layer | content: identity | content: calibrated | gain | RoPE: identity | RoPE: calibrated | gain |",

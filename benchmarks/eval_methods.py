@@ -28,7 +28,7 @@ import torch
 
 from quantmla.data import resolve_model_dir, tokenizer_for
 from quantmla.eval.methods import METHODS, MethodArgs
-from quantmla.eval.suite import EvalSettings, evaluate, heldout_windows, reference_logprobs
+from quantmla.eval.suite import EvalSettings, evaluate
 from quantmla.models import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -135,14 +135,11 @@ def main(argv=None) -> int:
     model_dir = resolve_model_dir(args.model)
     model = load_model(model_dir).to(args.device)
     tokenizer = tokenizer_for(model_dir)
-    # One BF16 reference for every method's KL: the same windows, computed once.
-    windows = heldout_windows(tokenizer, model.config.vocab_size, max(settings.lengths), settings.samples)
-    reference = reference_logprobs(model, windows, settings)
     results = []
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     for m, method_args in rows:
-        r = evaluate(model, tokenizer, m, method_args, settings, reference=reference).to_dict()
+        r = evaluate(model, tokenizer, m, method_args, settings).to_dict()
         print(f"{m:12s} {r['content']:>7s}/{r['rope']:<7s} {r['bytes_per_token']:7.1f} B/token  ppl "
               f"{r['ppl']:.4f}  kl {r['kl']:.3e}  niah {r['niah']}  ({r['seconds']:.0f} s)", flush=True)
         results.append(r)

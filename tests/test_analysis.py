@@ -6,10 +6,14 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from quantmla.analysis.amplification import PerturbedCache, add_noise, layer_amplification, nmse
+from quantmla.analysis.amplification import PerturbedCache, add_noise, layer_amplification, nmse, policy_output
+from quantmla.capture import capture
 from quantmla.cli import main
-from quantmla.models import describe
+from quantmla.config import CacheConfig
+from quantmla.mla import attention_from_cache
+from quantmla.models import attention_module, describe
 from quantmla.models.adapters import cache_kwargs
+from quantmla.policy import quantized_keys
 from quantmla.models.tiny import save_tiny_model, tiny_model
 
 
@@ -21,27 +25,78 @@ def test_noise_has_exactly_the_requested_nmse():
 
 def test_perturbed_cache_perturbs_only_the_chosen_path_and_layer():
     model = tiny_model("deepseek_v3")
+    layers = describe(model)
     ids = torch.randint(0, 128, (1, 16))
     clean = model(ids).logits
+    captured = capture(model, layers, ids)
     for path in ("content", "rope"):
         cache = PerturbedCache(model.config, path, 0.05, {1})
         logits = model(ids, use_cache=True, **cache_kwargs(model, cache)).logits
         assert nmse(logits, clean) > 0
-        assert nmse(cache.layers[1].keys, cache.layers[1].keys) == 0  # stored history stays clean
+        # the stored history is what an unperturbed forward caches
+        assert torch.equal(cache.layers[1].keys[:, 0], captured[1].c)
+        assert torch.equal(cache.layers[1].values[:, 0], captured[1].k_pe)
     cache = PerturbedCache(model.config, "rope", 0.05, set())
     assert torch.equal(model(ids, use_cache=True, **cache_kwargs(model, cache)).logits, clean)
+
+
+def test_perturbed_cache_follows_the_serving_policy():
+    """Noise only on tokens past the sink that have left the recent window, drawn once and kept."""
+    model = tiny_model("deepseek_v3")
+    ids = torch.randint(0, 128, (1, 24))
+    cache = PerturbedCache(model.config, "content", 0.05, {0, 1}, sink=2, recent=6)
+    kw = cache_kwargs(model, cache)
+    first = model(ids[:, :12], use_cache=True, **kw).logits
+    c = cache.layers[0].keys
+    held, _ = cache.update(c[:, :, :0], cache.layers[0].values[:, :, :0], 0)  # what layer 0 hands the model now
+    changed = (held != c).any(-1)[0, 0]
+    assert changed.tolist() == [False] * 2 + [True] * 4 + [False] * 6  # [sink, 12 - recent)
+    noisy = held[:, :, 2:6].clone()
+    model(ids[:, 12:], use_cache=True, **kw)
+    held, _ = cache.update(cache.layers[0].keys[:, :, :0], cache.layers[0].values[:, :, :0], 0)
+    assert torch.equal(held[:, :, 2:6], noisy)  # noise drawn once, when the tokens left the window
+    assert (held[:, :, 6:18] != cache.layers[0].keys[:, :, 6:18]).any(-1).all()
+    # within one call, as in QuantMLACache, the tokens that leave the window leave for every query of it
+    torch.testing.assert_close(first[:, :2], model(ids[:, :2]).logits)  # queries that see only the sink
+    assert nmse(first[:, 2:], model(ids[:, :12]).logits[:, 2:]) > 0
 
 
 def test_amplification_scales_with_noise():
     model = tiny_model("deepseek_v2")
     layers = describe(model)
     ids = torch.randint(0, 128, (2, 32))
-    small = layer_amplification(model, layers, ids, 0.001, progress=False)
-    big = layer_amplification(model, layers, ids, 0.01, progress=False)
+    policy = CacheConfig(sink=2, recent=8)
+    small = layer_amplification(model, layers, ids, 0.001, progress=False, policy=policy)
+    big = layer_amplification(model, layers, ids, 0.01, progress=False, policy=policy)
     for s, b in zip(small, big):
         # attention output error is close to linear in the injected NMSE for small noise
         assert b.content_out_nmse / s.content_out_nmse == pytest.approx(10, rel=0.3)
         assert b.rope_out_nmse > s.rope_out_nmse > 0
+    with pytest.raises(ValueError, match="too short for sink 4 \\+ recent 128"):
+        layer_amplification(model, layers, ids, 0.01, progress=False)
+
+
+def test_layer_amplification_is_what_a_noisy_cache_does_to_the_attention():
+    """The per-layer number from the policy-masked absorbed attention equals the one from transformers' own
+    attention fed token by token through a PerturbedCache (same noise), for the last query."""
+    model = tiny_model("deepseek_v3")
+    layers = describe(model)
+    ids = torch.randint(0, 128, (1, 20))
+    policy = CacheConfig(sink=2, recent=5)
+    captured = capture(model, layers, ids)[1]
+    attn = attention_module(model, layers[1])
+    clean, _ = attention_from_cache(attn, layers[1], captured.hidden, captured.position_embeddings, captured.c,
+                                    captured.k_pe)
+    # the noisy cache as the last query sees it: tokens [2, 15) perturbed
+    noisy = captured.c.clone()
+    noisy[:, 2:15] = add_noise(captured.c[:, 2:15], 0.02, torch.Generator().manual_seed(3))
+    quantized = quantized_keys(torch.arange(20), 20, policy, policy.content).float()
+    out, _ = policy_output(attn, layers[1], captured, quantized, noisy - captured.c)
+    full, _ = attention_from_cache(attn, layers[1], captured.hidden, captured.position_embeddings, noisy,
+                                   captured.k_pe)
+    torch.testing.assert_close(out[:, -1], full[:, -1], atol=1e-5, rtol=1e-5)  # the last query sees all of it
+    torch.testing.assert_close(out[:, :7], clean[:, :7], atol=1e-6, rtol=1e-6)  # queries 0..6 see none
+    assert (out[:, 7:-1] - full[:, 7:-1]).abs().amax() > 1e-4  # the others see part of it
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +116,10 @@ def test_info_command(tiny_dir, tmp_path):
 
 def test_analyze_command(tiny_dir, tmp_path):
     out, png = tmp_path / "a.json", tmp_path / "a.png"
-    assert main(["analyze", str(tiny_dir), "--length", "64", "--samples", "2", "--json", str(out),
+    assert main(["analyze", str(tiny_dir), "--length", "192", "--samples", "2", "--json", str(out),
                  "--plot", str(png)]) == 0
     data = json.loads(out.read_text())
-    assert len(data["layers"]) == 2
+    assert len(data["layers"]) == 2 and (data["sink"], data["recent"]) == (4, 128)
     for row in data["layers"]:
         assert {"layer", "content_out_nmse", "rope_out_nmse", "ratio"} <= row.keys()
         assert row["ratio"] == pytest.approx(row["rope_out_nmse"] / row["content_out_nmse"])
@@ -80,6 +135,8 @@ def test_commands_reject_bad_input(tiny_dir, tmp_path, capsys):
     assert "unknown cache format 'int3'" in capsys.readouterr().err
     assert main(["analyze", str(tiny_dir), "--data", str(tmp_path / "none.txt")]) == 2
     assert "text file not found" in capsys.readouterr().err
+    assert main(["analyze", str(tiny_dir), "--length", "100"]) == 2
+    assert "too short for sink 4 + recent 128" in capsys.readouterr().err
     assert main(["analyze", str(tiny_dir), "--nmse", "2"]) == 2
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))

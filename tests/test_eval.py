@@ -12,8 +12,8 @@ from quantmla.config import CacheConfig, QuantFormat
 from quantmla.eval import retrieval
 from quantmla.eval.methods import METHODS, MethodArgs, apply_method
 from quantmla.eval.needles import TASKS
-from quantmla.eval.perplexity import ppl_kl, score_window
-from quantmla.eval.suite import EvalSettings, evaluate, measure_bytes_per_token
+from quantmla.eval.perplexity import ppl_kl, score_window, window_stats
+from quantmla.eval.suite import EvalSettings, evaluate, heldout_windows, measure_bytes_per_token
 from quantmla.models.tiny import save_tiny_model, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -36,19 +36,30 @@ def test_bf16_scoring_equals_a_plain_forward(model, windows):
     with torch.no_grad():
         plain = F.log_softmax(model(windows).logits.float(), -1)[:, -scored - 1:-1]
     torch.testing.assert_close(lp, plain, atol=1e-5, rtol=1e-5)
-    stats = ppl_kl(lp, plain, windows)
+    stats = window_stats(model, windows, scored, cfg, batch=1)
     targets = windows[:, -scored:]
-    expected = math.exp(-plain.gather(-1, targets.unsqueeze(-1)).double().mean().item())
-    assert stats["ppl"] == pytest.approx(expected, rel=1e-5)
-    assert stats["kl"] == pytest.approx(0.0, abs=1e-6)
+    expected = -plain.gather(-1, targets.unsqueeze(-1)).squeeze(-1).double().mean(-1)  # per window
+    torch.testing.assert_close(stats["nll"], expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(stats["nll_ref"], expected, atol=1e-5, rtol=1e-5)
+    assert ppl_kl(stats)["ppl"] == pytest.approx(math.exp(expected.mean().item()), rel=1e-5)
+    assert stats["kl"].abs().max() < 1e-7  # a BF16 cache against a forward with no cache at all: measured
 
 
-def test_bf16_method_has_zero_kl_and_int2_does_not(model):
-    settings = EvalSettings(tasks=("ppl", "kl"), lengths=(96,), samples=2, scored=32, progress=False)
+def test_suite_kl_is_the_mean_kl_of_the_scored_tokens(model):
+    """The reductions the suite keeps give the KL and perplexity computed from full log-probabilities; a
+    BF16 cache measures ~0 against the plain forward, a destructive one does not."""
+    settings = EvalSettings(tasks=("ppl", "kl"), lengths=(96,), samples=2, scored=32, batch=2, progress=False)
     bf16 = evaluate(model, None, "bf16", settings=settings)
-    assert bf16.kl == 0.0 and bf16.ppl == bf16.ppl_bf16
+    assert abs(bf16.kl) < 1e-7 and bf16.ppl == pytest.approx(bf16.ppl_bf16, rel=1e-6)
     int2 = evaluate(model, None, "rtn", MethodArgs("int2", "int2", sink=0, recent=16), settings)
-    assert int2.kl > 1e-4 and int2.ppl != int2.ppl_bf16 and int2.ppl_bf16 == bf16.ppl_bf16
+    windows = heldout_windows(None, model.config.vocab_size, 96, 2)
+    lp = score_window(model, windows, 32, CacheConfig("int2", "int2", 0, 16).fit(32, 16))
+    with torch.no_grad():
+        ref = F.log_softmax(model(windows).logits.double(), -1)[:, -33:-1]
+    kl = (ref.exp() * (ref - lp.double())).sum(-1).mean().item()
+    nll = -lp.double().gather(-1, windows[:, -32:, None]).mean().item()
+    assert int2.kl == pytest.approx(kl, rel=1e-4) and int2.kl > 1e-4
+    assert int2.ppl == pytest.approx(math.exp(nll), rel=1e-6) and int2.ppl_bf16 == pytest.approx(bf16.ppl_bf16)
 
 
 def test_scored_tokens_attend_to_quantized_history(model, windows):

@@ -94,13 +94,26 @@ def test_generation_runs_through_a_fresh_quantized_cache(tiny, monkeypatch):
 
 
 def test_local_tasks_through_the_registered_model(tiny_dir):
-    out = lm_eval.simple_evaluate(
-        model="quantmla", model_args=f"pretrained={tiny_dir},method=rtn,content=int4,rope=int4,recent=32,"
-                                     "device=cpu,dtype=float32",
-        tasks=TASKS, task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False))
-    assert 0 <= out["results"]["quantmla_code_mc"]["acc,none"] <= 1
-    assert 0 <= out["results"]["quantmla_needles"]["exact_match,none"] <= 1
-    assert out["results"]["quantmla_code_mc"]["sample_len"] == 6
+    """Through lm-eval's own task pipeline: method bf16 reproduces lm-eval's plain `hf` model sample by sample
+    (log-likelihoods of every choice, generated needles), and an INT2 cache changes the log-likelihoods."""
+    def run(model, args):
+        return lm_eval.simple_evaluate(
+            model=model, model_args=f"pretrained={tiny_dir},device=cpu,dtype=float32" + args, tasks=TASKS,
+            task_manager=TaskManager(include_path=str(TASKS_DIR), include_defaults=False), log_samples=True)
+
+    def lls(out):
+        return [ll for s in out["samples"]["quantmla_code_mc"] for (ll, _), in s["resps"]]
+
+    def answers(out):
+        return [s["filtered_resps"] for s in out["samples"]["quantmla_needles"]]
+
+    plain = run("hf", "")
+    bf16 = run("quantmla", ",method=bf16")
+    int2 = run("quantmla", ",method=rtn,content=int2,rope=int2,sink=0,recent=8")
+    assert lls(bf16) == pytest.approx(lls(plain), abs=1e-4) and answers(bf16) == answers(plain)
+    assert bf16["results"]["quantmla_code_mc"]["acc,none"] == plain["results"]["quantmla_code_mc"]["acc,none"]
+    assert max(abs(a - b) for a, b in zip(lls(int2), lls(plain))) > 1e-3
+    assert int2["results"]["quantmla_code_mc"]["sample_len"] == 6
 
 
 def test_default_model_retrieves_needles_through_lm_eval():

@@ -317,7 +317,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sink", type=int, default=4, help="first tokens kept in BF16 (default 4)")
     s.add_argument("--recent", type=int, default=128, help="most recent tokens kept in BF16 (default 128)")
     s.add_argument("--data", help="calibration text file (default: the built-in calibration sample)")
-    s.add_argument("--samples", type=int, default=8, help="calibration sequences, half fit and half judge (default 8)")
+    s.add_argument("--samples", type=int, default=8, help="calibration sequences, >= 3: fit/select/report (default 8)")
     s.add_argument("--length", type=int, default=512, help="tokens per sequence (default 512)")
     s.add_argument("--steps", type=int, default=100, help="optimiser steps per path and layer (default 100)")
     s.add_argument("--seed", type=int, default=0)

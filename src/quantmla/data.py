@@ -33,7 +33,8 @@ def resolve_model_dir(model: str | Path | None) -> Path:
 
 
 def read_text(path: str | Path | None, default: str = "calibration.txt") -> str:
-    """The user's text file, or one of the shipped samples (falling back to quantmla's own sources)."""
+    """The user's text file, or the shipped sample `default` (quantmla/data/). Raises FileNotFoundError when
+    the file is missing: a silent substitute would calibrate or evaluate on text nobody chose."""
     if path is not None:
         path = Path(path)
         if not path.is_file():
@@ -43,9 +44,10 @@ def read_text(path: str | Path | None, default: str = "calibration.txt") -> str:
             raise ValueError(f"text file is empty: {path}")
         return text
     shipped = DATA_DIR / default
-    if shipped.is_file():
-        return shipped.read_text(encoding="utf-8")
-    return "\n".join(p.read_text() for p in sorted(PACKAGE_DIR.rglob("*.py")))
+    if not shipped.is_file():
+        raise FileNotFoundError(f"shipped text {shipped} is missing (an incomplete install?); reinstall quantmla "
+                                "or pass a text file of your own (--data)")
+    return shipped.read_text(encoding="utf-8")
 
 
 def tokenizer_for(model_dir: str | Path):

@@ -17,7 +17,7 @@ from quantmla.calibrate.export import save_calibrated
 from quantmla.config import CacheConfig
 from quantmla.data import encode, read_text, token_windows, tokenizer_for
 from quantmla.eval.methods import MethodArgs
-from quantmla.eval.suite import EvalResult, EvalSettings, evaluate, heldout_windows, reference_logprobs
+from quantmla.eval.suite import EvalResult, EvalSettings, evaluate
 from quantmla.models import describe, load_model
 
 
@@ -40,16 +40,14 @@ def run_demo(model_dir: Path, out_dir: Path, settings: DemoSettings = DemoSettin
     tokenizer = tokenizer_for(model_dir)
     model = load_model(model_dir)
     layers = describe(model)
-    windows = heldout_windows(tokenizer, model.config.vocab_size, max(settings.eval.lengths), settings.eval.samples)
-    log("BF16 reference for the KL ...")
-    reference = reference_logprobs(model, windows, settings.eval)
-    rows = [("bf16", evaluate(model, tokenizer, "bf16", MethodArgs(), settings.eval, reference))]
+    log("BF16 ...")
+    rows = [("bf16", evaluate(model, tokenizer, "bf16", MethodArgs(), settings.eval))]
     calib = token_windows(encode(read_text(None), tokenizer, model.config.vocab_size),
                           settings.calib_length, settings.calib_samples)
     for content, rope in settings.formats:
         args = MethodArgs(content, rope, settings.sink, settings.recent)
         log(f"RTN {content}/{rope} ...")
-        rows.append((f"rtn {content}/{rope}", evaluate(model, tokenizer, "rtn", args, settings.eval, reference)))
+        rows.append((f"rtn {content}/{rope}", evaluate(model, tokenizer, "rtn", args, settings.eval)))
         log(f"calibrating quantmla {content}/{rope} ({settings.calib_samples} x {settings.calib_length} tokens) ...")
         calibrated = load_model(model_dir)
         cfg = CacheConfig(content, rope, settings.sink, settings.recent).fit(layers[0].kv_lora_rank,
@@ -62,5 +60,5 @@ def run_demo(model_dir: Path, out_dir: Path, settings: DemoSettings = DemoSettin
         log(f"wrote {path}; evaluating it ...")
         fused = load_model(path)
         rows.append((f"quantmla {content}/{rope}",
-                     evaluate(fused, tokenizer, "quantmla", MethodArgs(), settings.eval, reference)))
+                     evaluate(fused, tokenizer, "quantmla", MethodArgs(), settings.eval, reference_model=model)))
     return rows

@@ -3,8 +3,9 @@
 Objective (DESIGN.md §3): the error of the attention output when the content cache is quantized, judged
 where it lands — after both the scores and the value aggregation:
     || Attn(q, Q~(c), k_pe) - Attn(q, c, k_pe) ||^2 / || Attn(q, c, k_pe) ||^2
-with Q~(c) = s*gamma * R^T ( Q(s*sigma * R c_hat) / (s*sigma) ), c_hat = c / (s*gamma): quantize in the
-transformed space, map back, and compare in the original one (the fold makes the two spaces equivalent).
+where each query sees Q~(c) only at the keys the serving policy holds quantized for it (`policy`: sink and
+recent window BF16), with Q~(c) = s*gamma * R^T ( Q(s*sigma * R c_hat) / (s*sigma) ), c_hat = c / (s*gamma):
+quantize in the transformed space, map back, and compare in the original one (the fold makes the two spaces equivalent).
 R is parametrised with torch's orthogonal parametrization (Cayley map: its backward is far cheaper than the
 matrix exponential's at dc = 512), sigma by its logarithm.
 Starting points: identity, and a randomized Hadamard rotation (spreads outlier channels over the group).
@@ -16,8 +17,9 @@ import torch
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
-from quantmla.calibrate.search import SearchResult, search, split
-from quantmla.config import QuantFormat
+from quantmla.calibrate.search import SearchResult, Splits, search
+from quantmla.config import CacheConfig
+from quantmla.policy import policy_attention, quantize_body, quantized_keys
 from quantmla.quant.formats import fake_quantize, fake_quantize_ste
 from quantmla.transforms.content import ContentTransform
 
@@ -33,43 +35,48 @@ def random_hadamard(n: int, generator: torch.Generator | None = None) -> torch.T
     return h * signs / n**0.5
 
 
-def attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos):
-    """Per-head attention output in value space [B, H, Tq, dv] for queries at positions q_pos [Tq]."""
-    scores = scale * (torch.einsum("bhtc,bsc->bhts", q_abs, c) + torch.einsum("bhtr,bsr->bhts", q_pe, k_pe))
-    future = torch.arange(c.shape[1], device=c.device)[None, :] > q_pos.to(c.device)[:, None]
-    probs = torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
-    return torch.einsum("bhts,bsc,hvc->bhtv", probs, c, w_uv)
+def attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, delta=None, quantized=None):
+    """Per-head attention output in value space [B, H, Tq, dv] for queries at positions q_pos [Tq]; with
+    delta (the content cache's error) and quantized [Tq, S], as `policy.policy_attention` serves it."""
+    quantized = torch.zeros(()) if quantized is None else quantized
+    latent = policy_attention(q_abs, q_pe, c, k_pe, scale, q_pos, quantized, delta)
+    return torch.einsum("bhtc,hvc->bhtv", latent, w_uv)
 
 
-def content_error(batch, gamma, rotation, sigma, fmt: QuantFormat, quant) -> torch.Tensor:
-    """Normalised attention-output error with the content cache quantized through (rotation, sigma)."""
-    q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, ref = batch
-    c_hat = c / gamma
-    c_t = quant((c_hat @ rotation.T) * sigma, fmt)
-    c_q = ((c_t / sigma) @ rotation) * gamma
-    out = attention_heads(q_abs, q_pe, c_q, k_pe, w_uv, scale, q_pos)
+def content_error(batch, gamma, rotation, sigma, cfg: CacheConfig, quant) -> torch.Tensor:
+    """Normalised attention-output error with the content cache quantized through (rotation, sigma), where
+    cfg's serving policy quantizes it."""
+    q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, quantized, ref = batch
+    c_t = ((c / gamma) @ rotation.T) * sigma
+    c_q = ((quantize_body(c_t, cfg.content, cfg.sink, quant) / sigma) @ rotation) * gamma
+    out = attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, c_q - c, quantized)
     return (out - ref).pow(2).sum() / ref.pow(2).sum()
 
 
-def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, fmt: QuantFormat,
-                      steps: int = 100, seed: int = 0, train_frac: float = 0.5
+def _data(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos, cfg: CacheConfig, sl=slice(None)) -> tuple:
+    """The batch content_error reads, for the sequences sl."""
+    quantized = quantized_keys(q_pos.to(c.device), c.shape[1], cfg, cfg.content).float()
+    ref = attention_heads(q_abs[sl], q_pe[sl], c[sl], k_pe[sl], w_uv, softmax_scale, q_pos)
+    return q_abs[sl], q_pe[sl], c[sl], k_pe[sl], w_uv, softmax_scale, q_pos, quantized, ref
+
+
+def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, cfg: CacheConfig,
+                      steps: int = 100, seed: int = 0, splits: Splits | None = None
                       ) -> tuple[ContentTransform, SearchResult]:
     """q_abs [B, H, Tq, dc] absorbed queries and q_pe [B, H, Tq, dr] at positions q_pos [Tq]; c [B, S, dc] and
     k_pe [B, S, dr] the cache; w_uv [H, dv, dc]; gamma [dc] = latent scale * kv_a_layernorm weight (c = gamma *
-    c_hat). Returns the transform to fold, with sigma expressed for the fold (the cache holds sigma * R c_hat
-    times the latent scale)."""
+    c_hat); cfg: the content format and the serving policy (which keys each query sees quantized). Sequences
+    are split by `splits` (default Splits.of(B)); the result's `report` holds the identity's and the
+    calibrated transform's true objective on the report sequences. Returns the transform to fold, with sigma
+    expressed for the fold (the cache holds sigma * R c_hat times the latent scale)."""
     g = torch.Generator().manual_seed(seed)
     q_abs, q_pe, c, k_pe, w_uv, gamma = (t.detach().float() for t in (q_abs, q_pe, c, k_pe, w_uv, gamma))
-    train_sl, held_sl = split(c.shape[0], train_frac)
-
-    def batch(sl):
-        ref = attention_heads(q_abs[sl], q_pe[sl], c[sl], k_pe[sl], w_uv, softmax_scale, q_pos)
-        return q_abs[sl], q_pe[sl], c[sl], k_pe[sl], w_uv, softmax_scale, q_pos, ref
-
-    train, held_out = batch(train_sl), batch(held_sl)
+    splits = splits or Splits.of(c.shape[0])
+    fit, select, report = (_data(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos, cfg, sl)
+                           for sl in (splits.fit, splits.select, splits.report))
     dc = c.shape[-1]
     hadamard = random_hadamard(dc, g).to(c.device)
-    c_rot_rms = ((c / gamma) @ hadamard.T).pow(2).mean(dim=(0, 1)).sqrt()
+    c_rot_rms = ((c[splits.fit] / gamma) @ hadamard.T).pow(2).mean(dim=(0, 1)).sqrt()
     starts = {
         # identity: the cache unchanged (sigma = gamma keeps c' = c)
         "identity": {"rotation": torch.eye(dc, device=c.device), "log_sigma": torch.log(gamma.abs().clamp_min(1e-6))},
@@ -82,25 +89,30 @@ def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, f
     log_sigma = starts["hadamard"]["log_sigma"].clone().requires_grad_(True)
 
     def error(p, data, quant):
-        return content_error(data, gamma, p["rotation"], torch.exp(p["log_sigma"]), fmt, quant)
+        return content_error(data, gamma, p["rotation"], torch.exp(p["log_sigma"]), cfg, quant)
+
+    def true(p, data):
+        with torch.no_grad():
+            return float(error(p, data, fake_quantize))
 
     res = search(
         starts,
-        true_objective=lambda p: float(error(p, held_out, fake_quantize).detach()),
-        surrogate=lambda p: error(p, train, fake_quantize_ste),
+        true_objective=lambda p: true(p, select),
+        surrogate=lambda p: error(p, fit, fake_quantize_ste),
         current=lambda: {"rotation": lin.weight, "log_sigma": log_sigma},
         param_groups=[{"params": list(lin.parameters()), "lr": 2e-3}, {"params": [log_sigma], "lr": 1e-2}],
         steps=steps,
     )
+    res.report = {"identity": true(starts["identity"], report), "calibrated": true(res.params, report)}
     return ContentTransform(res.params["rotation"].double().cpu(), torch.exp(res.params["log_sigma"]).cpu()), res
 
 
-def content_objective(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, fmt: QuantFormat,
+def content_objective(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, cfg: CacheConfig,
                       t: ContentTransform) -> float:
-    """The true objective of a given transform (real quantization), e.g. to compare with the identity."""
-    q_abs, q_pe, c, k_pe, w_uv, gamma = (x.float() for x in (q_abs, q_pe, c, k_pe, w_uv, gamma))
-    ref = attention_heads(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos)
-    data = (q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos, ref)
+    """The true objective of a given transform (real quantization, cfg's serving policy) on all the given
+    sequences, e.g. to compare with the identity."""
+    q_abs, q_pe, c, k_pe, w_uv, gamma = (x.detach().float() for x in (q_abs, q_pe, c, k_pe, w_uv, gamma))
+    data = _data(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos, cfg)
     with torch.no_grad():
-        return float(content_error(data, gamma, t.rotation.float().to(c.device), t.scale.float().to(c.device), fmt,
-                                   fake_quantize))
+        return float(content_error(data, gamma, t.rotation.float().to(c.device), t.scale.float().to(c.device),
+                                   cfg, fake_quantize))

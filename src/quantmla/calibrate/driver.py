@@ -20,21 +20,28 @@ from tqdm.auto import tqdm
 from quantmla.calibrate.content import calibrate_content
 from quantmla.capture import attention_hooks
 from quantmla.calibrate.rope import calibrate_rope
+from quantmla.calibrate.search import Splits
 from quantmla.config import CacheConfig
 from quantmla.mla import absorb_queries, project_cache, project_queries, split_kv_b
 from quantmla.models.adapters import MLALayer, attention_module
+from quantmla.policy import query_positions
 from quantmla.transforms import ContentTransform, RopeTransform, fold_content, fold_rope
 
 
 @dataclass
 class LayerReport:
+    """True objectives (real quantization, the serving policy) on the report sequences, which neither fit
+    nor select the transform; `*_select` is the winner's value on the selection sequences."""
+
     layer: int
     module: str
-    content_identity: float | None = None  # true objective (held-out) of the identity transform
+    content_identity: float | None = None
     content_best: float | None = None
     rope_identity: float | None = None
     rope_best: float | None = None
-    history: dict = field(default_factory=dict)  # path -> [(step, surrogate, true)]
+    content_select: float | None = None
+    rope_select: float | None = None
+    history: dict = field(default_factory=dict)  # path -> [(step, surrogate on fit, true on select)]
 
 
 class _Stop(Exception):
@@ -70,18 +77,27 @@ def _first_layer_inputs(model, input_ids):
     return got["hidden"], kwargs
 
 
-def _query_positions(length: int, n: int) -> torch.Tensor:
-    """n query positions spread over the sequence, skipping the first eighth (too little context there)."""
-    return torch.linspace(length // 8, length - 1, min(n, length)).round().long().unique()
+# Formats whose quantizer the calibration surrogate models (group min/max scale, straight-through rounding).
+CALIBRATED_KINDS = ("bf16", "int8", "int4", "int2")
+
+
+def check_calibratable(cfg: CacheConfig) -> None:
+    """Raise for a format calibration has no honest surrogate for (fp8, fp4, the codebooks)."""
+    for path, fmt in (("content", cfg.content), ("rope", cfg.rope)):
+        if fmt.kind not in CALIBRATED_KINDS:
+            raise ValueError(f"quantmla calibrates integer formats (int8, int4, int2, channel or token groups) "
+                             f"and bf16; {path} {fmt} has no calibration surrogate yet (its gradient would "
+                             "ignore the quantization error)")
 
 
 def calibrate_attention(attn, layer: MLALayer, hidden, position_embeddings, cfg: CacheConfig, steps: int,
                         seed: int, n_queries: int = 64) -> tuple[ContentTransform | None, RopeTransform | None,
                                                                  LayerReport]:
-    """Fit both transforms of one attention from its inputs hidden [B, T, hidden] (does not fold them)."""
+    """Fit both transforms of one attention from its inputs hidden [B, T, hidden] (does not fold them), for
+    queries where cfg's serving policy shows them a quantized region (`policy.query_positions`)."""
     q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
     c, k_pe = project_cache(attn, layer, hidden, position_embeddings)
-    pos = _query_positions(hidden.shape[1], n_queries)
+    pos = query_positions(hidden.shape[1], cfg, n_queries)
     q_nope, q_pe = q_nope[:, :, pos], q_pe[:, :, pos]
     w_uk, w_uv = split_kv_b(attn, layer)
     report = LayerReport(layer.cache_idx, layer.module)
@@ -90,16 +106,16 @@ def calibrate_attention(attn, layer: MLALayer, hidden, position_embeddings, cfg:
         gamma = attn.kv_a_layernorm.weight.float() * layer.latent_scale
         with torch.enable_grad():
             content, res = calibrate_content(absorb_queries(q_nope.float(), w_uk.float()), q_pe, c, k_pe, w_uv,
-                                             gamma, layer.softmax_scale, pos, cfg.content, steps, seed)
+                                             gamma, layer.softmax_scale, pos, cfg, steps, seed)
         # The fold sets kv_a_layernorm.weight = sigma and the model multiplies by the latent scale after it.
         content.scale = content.scale / layer.latent_scale
-        report.content_identity, report.content_best = res.start["identity"], res.best
-        report.history["content"] = res.history
+        report.content_identity, report.content_best = res.report["identity"], res.report["calibrated"]
+        report.content_select, report.history["content"] = res.best, res.history
     if cfg.rope.kind != "bf16":
         with torch.enable_grad():
-            rope, res = calibrate_rope(q_pe, k_pe, pos, layer.cache_pairs, cfg.rope, steps, seed)
-        report.rope_identity, report.rope_best = res.start["identity"], res.best
-        report.history["rope"] = res.history
+            rope, res = calibrate_rope(q_pe, k_pe, pos, layer.cache_pairs, cfg, steps, seed)
+        report.rope_identity, report.rope_best = res.report["identity"], res.report["calibrated"]
+        report.rope_select, report.history["rope"] = res.best, res.history
     return content, rope, report
 
 
@@ -108,9 +124,13 @@ def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg:
                     seed: int = 0, progress: bool = True) -> list[LayerReport]:
     """Calibrate and fold every MLA attention of `model` in place, one decoder layer at a time.
 
-    input_ids [N, T]: calibration sequences (half fit the transforms, half judge them).
+    input_ids [N, T]: calibration sequences, N >= 3, split by `search.Splits.of(N)` into fit / select /
+    report; T > cfg.sink + cfg.recent, so that queries see quantized keys (longer is closer to serving).
     """
     cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
+    check_calibratable(cfg)
+    Splits.of(input_ids.shape[0])  # fail before the first forward
+    query_positions(input_ids.shape[1], cfg, 1)
     hidden, kwargs = _first_layer_inputs(model, input_ids.to(next(model.parameters()).device))
     prefix = layers[0].module.split(".layers.")[0] + ".layers."
     reports = []

@@ -1,7 +1,8 @@
 """RoPE path calibration: per-pair rotation phi_j and tied scale alpha_j on positional QK reconstruction.
 
 Objective (DESIGN.md §3), in cache coordinates with k' = M k and q' = M^-T q:
-    E_(t, u<=t) ( q'(t) . (Q(k'(u)) - k'(u)) )^2  /  E ( q(t) . k(u) )^2
+    E_(t, u) ( q'(t) . (Q(k'(u)) - k'(u)) )^2  /  E_(t, u) ( q(t) . k(u) )^2
+over the pairs (t, u) where the serving policy holds key u quantized for query t (`policy`).
 Only the positional part of the scores sees RoPE-cache error, so this bounds what reaches the output.
 Starting points: identity, and alpha_j = 1 / (pair j's magnitude) — the optimum of the rounding-noise model
 for one group per token, which equalises the pairs' ranges so no pair wastes the shared step size.
@@ -11,8 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from quantmla.calibrate.search import SearchResult, search, split
-from quantmla.config import QuantFormat
+from quantmla.calibrate.search import SearchResult, Splits, search
+from quantmla.config import CacheConfig
+from quantmla.policy import quantize_body, quantized_keys
 from quantmla.quant.formats import fake_quantize, fake_quantize_ste
 from quantmla.transforms.rope import RopeTransform
 
@@ -39,25 +41,27 @@ def _mats(log_scale: torch.Tensor, angle: torch.Tensor) -> tuple[torch.Tensor, t
     return rot * scale[:, None, None], rot / scale[:, None, None]
 
 
-def qk_error(q: torch.Tensor, k: torch.Tensor, pairs, params: dict, fmt: QuantFormat, quant) -> torch.Tensor:
-    """Normalised positional score error. q [B, H, Tq, dr] at positions pos [Tq]; k [B, S, dr]."""
+def qk_error(q: torch.Tensor, k: torch.Tensor, pairs, params: dict, cfg: CacheConfig, quantized: torch.Tensor,
+             quant) -> torch.Tensor:
+    """Normalised positional score error over the (query, key) pairs `quantized` [Tq, S] marks (where cfg's
+    serving policy holds the key quantized). q [B, H, Tq, dr]; k [B, S, dr]."""
     idx = _pair_index(pairs, k.device)
     m, m_inv_t = _mats(params["log_scale"], params["angle"])
     kt, qt = transform_pairs(k, m, idx), transform_pairs(q, m_inv_t, idx)
-    err = torch.einsum("bhtr,bsr->bhts", qt, quant(kt, fmt) - kt)
+    err = torch.einsum("bhtr,bsr->bhts", qt, quantize_body(kt, cfg.rope, cfg.sink, quant) - kt)
     ref = torch.einsum("bhtr,bsr->bhts", q, k)
-    causal = params["_causal"]
-    return (err.pow(2) * causal).sum() / (ref.pow(2) * causal).sum()
+    return (err.pow(2) * quantized).sum() / (ref.pow(2) * quantized).sum()
 
 
-def calibrate_rope(q_pe, k_pe, q_pos, pairs, fmt: QuantFormat, steps: int = 100, seed: int = 0,
-                   train_frac: float = 0.5) -> tuple[RopeTransform, SearchResult]:
-    """q_pe [B, H, Tq, dr] post-RoPE queries at positions q_pos [Tq]; k_pe [B, S, dr] the cached keys.
-    Sequences are split into a training half (surrogate) and a held-out half (true objective)."""
+def calibrate_rope(q_pe, k_pe, q_pos, pairs, cfg: CacheConfig, steps: int = 100, seed: int = 0,
+                   splits: Splits | None = None) -> tuple[RopeTransform, SearchResult]:
+    """q_pe [B, H, Tq, dr] post-RoPE queries at positions q_pos [Tq]; k_pe [B, S, dr] the cached keys; cfg: the
+    RoPE format and the serving policy. Sequences are split by `splits` (default Splits.of(B)); the result's
+    `report` holds the identity's and the calibrated transform's true objective on the report sequences."""
     q_pe, k_pe = q_pe.detach().float(), k_pe.detach().float()
-    train_sl, held_sl = split(q_pe.shape[0], train_frac)
-    causal = (torch.arange(k_pe.shape[1], device=k_pe.device)[None, :] <= q_pos.to(k_pe.device)[:, None]).float()
-    mag = k_pe[..., _pair_index(pairs, k_pe.device)].pow(2).sum(-1).mean(dim=(0, 1)).sqrt()  # [P]
+    splits = splits or Splits.of(q_pe.shape[0])
+    quantized = quantized_keys(q_pos.to(k_pe.device), k_pe.shape[1], cfg, cfg.rope).float()
+    mag = k_pe[splits.fit][..., _pair_index(pairs, k_pe.device)].pow(2).sum(-1).mean(dim=(0, 1)).sqrt()  # [P]
     starts = {
         "identity": {"log_scale": torch.zeros_like(mag), "angle": torch.zeros_like(mag)},
         "equalised": {"log_scale": -torch.log(mag.clamp_min(1e-6)), "angle": torch.zeros_like(mag)},
@@ -68,26 +72,31 @@ def calibrate_rope(q_pe, k_pe, q_pos, pairs, fmt: QuantFormat, steps: int = 100,
     angle = angle.to(mag.device).requires_grad_(True)
 
     def error(p, sl, quant):
-        return qk_error(q_pe[sl], k_pe[sl], pairs, {**p, "_causal": causal}, fmt, quant)
+        return qk_error(q_pe[sl], k_pe[sl], pairs, p, cfg, quantized, quant)
+
+    def true(p, sl):
+        with torch.no_grad():
+            return float(error(p, sl, fake_quantize))
 
     res = search(
         starts,
-        true_objective=lambda p: float(error(p, held_sl, fake_quantize).detach()),
-        surrogate=lambda p: error(p, train_sl, fake_quantize_ste),
+        true_objective=lambda p: true(p, splits.select),
+        surrogate=lambda p: error(p, splits.fit, fake_quantize_ste),
         current=lambda: {"log_scale": log_scale, "angle": angle},
         param_groups=[{"params": [log_scale], "lr": 0.02}, {"params": [angle], "lr": 0.02}],
         steps=steps,
     )
+    res.report = {"identity": true(starts["identity"], splits.report), "calibrated": true(res.params, splits.report)}
     p = res.params
     scale = torch.exp(p["log_scale"] - p["log_scale"].mean())
     return RopeTransform(p["angle"].cpu(), scale.cpu()), res
 
 
-def rope_objective(q_pe, k_pe, q_pos, pairs, fmt: QuantFormat, t: RopeTransform) -> float:
-    """The true objective of a given transform (real quantization), e.g. to compare with the identity."""
-    causal = (torch.arange(k_pe.shape[1], device=k_pe.device)[None, :] <= q_pos.to(k_pe.device)[:, None]).float()
-    params = {"log_scale": torch.log(t.scale.float()).to(k_pe.device), "angle": t.angle.float().to(k_pe.device),
-              "_causal": causal}
+def rope_objective(q_pe, k_pe, q_pos, pairs, cfg: CacheConfig, t: RopeTransform) -> float:
+    """The true objective of a given transform (real quantization, cfg's serving policy) on all the given
+    sequences, e.g. to compare with the identity."""
+    q_pe, k_pe = q_pe.detach().float(), k_pe.detach().float()
+    quantized = quantized_keys(q_pos.to(k_pe.device), k_pe.shape[1], cfg, cfg.rope).float()
+    params = {"log_scale": torch.log(t.scale.float()).to(k_pe.device), "angle": t.angle.float().to(k_pe.device)}
     with torch.no_grad():
-        return float(qk_error(q_pe.float(), k_pe.float(), pairs, params, fmt, fake_quantize))
-
+        return float(qk_error(q_pe, k_pe, pairs, params, cfg, quantized, fake_quantize))

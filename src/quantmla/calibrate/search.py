@@ -2,7 +2,11 @@
 
 A straight-through estimator hides how a group's step size drives rounding error, so fitting through it can
 raise the true objective. Every `eval_every` steps (and for each starting point) the candidate is scored with
-real quantization on held-out calibration tokens, and the best one seen is returned.
+real quantization on the selection sequences, and the best one seen is returned.
+
+Calibration sequences are split three ways (`Splits`): the surrogate and every starting statistic see only
+`fit`; `select` picks the winner; `report` is touched once, to report the winner and the identity, so the
+reported numbers are not the ones the choice was made on.
 """
 
 from __future__ import annotations
@@ -16,9 +20,10 @@ import torch
 @dataclass
 class SearchResult:
     params: dict  # name -> tensor, the best seen
-    best: float  # true objective of the best params (held-out)
-    start: dict  # start name -> true objective
-    history: list = field(default_factory=list)  # (step, surrogate loss on train, true objective on held-out)
+    best: float  # true objective of the best params (selection sequences)
+    start: dict  # start name -> true objective (selection sequences)
+    history: list = field(default_factory=list)  # (step, surrogate loss on fit, true objective on select)
+    report: dict = field(default_factory=dict)  # "identity" / "calibrated" -> true objective (report sequences)
 
 
 def _detached(p: dict) -> dict:
@@ -55,9 +60,19 @@ def search(
     return SearchResult(best_params, best, scored, history)
 
 
-def split(n: int, train_frac: float = 0.5) -> tuple[slice, slice]:
-    """Sequences [0, n_train) fit the surrogate, the rest judge the true objective (all of them if n == 1)."""
-    if n < 2:
-        return slice(None), slice(None)
-    n_train = min(n - 1, max(1, int(n * train_frac)))
-    return slice(0, n_train), slice(n_train, None)
+@dataclass(frozen=True)
+class Splits:
+    """Disjoint ranges of calibration sequences (dim 0): fit the surrogate and the starting statistics,
+    select the best candidate, report."""
+
+    fit: slice
+    select: slice
+    report: slice
+
+    @classmethod
+    def of(cls, n: int) -> Splits:
+        """A quarter (at least one sequence) each to select and report, the rest to fit."""
+        if n < 3:
+            raise ValueError(f"need at least 3 calibration sequences (fit / select / report), got {n}")
+        held = max(1, n // 4)
+        return cls(slice(0, n - 2 * held), slice(n - 2 * held, n - held), slice(n - held, n))

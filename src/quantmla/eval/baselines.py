@@ -225,8 +225,9 @@ def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -
 
     config = _cache(args, args.content or "int4", args.rope or "int4")
     ids = calibration_ids(model, calibration.samples, calibration.length)
-    if ids.shape[0] < 2:
-        raise ValueError(f"need at least 2 calibration windows of {ids.shape[1]} tokens; the text has fewer")
+    if ids.shape[0] < 3:
+        raise ValueError(f"need at least 3 calibration windows of {ids.shape[1]} tokens (fit / select / report); "
+                         "the text has fewer")
     print(f"quantmla: the model has no '{SECTION}' section (uncalibrated): calibrating first, content "
           f"{config.content}, rope {config.rope}, {ids.shape[0]} x {ids.shape[1]} tokens, {calibration.steps} "
           "steps per path (save a calibrated checkpoint with `quantmla calibrate` to skip this)", flush=True)

@@ -5,9 +5,10 @@
     result.to_dict()   # {"method", "content", "rope", "bytes_per_token", "ppl", "kl", "niah": {...}, ...}
 
 Tasks: "ppl" and "kl" share one pass (windows of the longest length from the held-out text, the last
-`scored` tokens of each scored; see `perplexity`), "niah" is `retrieval.niah` at every length. The BF16
-reference for the KL runs the unmodified model with a BF16 cache over the same windows; pass `reference`
-to reuse it across methods.
+`scored` tokens of each scored; see `perplexity`), "niah" is `retrieval.niah` at every length. The reference
+for the KL is a plain forward (no cache) of the unmodified model over the same windows, batch by batch; pass
+`reference_model` when the model under test is a calibrated checkpoint of another (the original then judges
+the fold's rounding too).
 """
 
 from __future__ import annotations
@@ -107,18 +108,10 @@ def heldout_windows(tokenizer, vocab_size: int, length: int, count: int, path=No
     return token_windows(ids, length, count)
 
 
-def reference_logprobs(model, windows: torch.Tensor, settings: EvalSettings) -> torch.Tensor:
-    """The log-probabilities the KL is measured against: [N, scored, vocab], with the `bf16` method's cache
-    (so that method's KL is 0 by construction, whatever a BF16 cache does)."""
-    _, config = apply_method("bf16", model)
-    return perplexity.score_windows(model, windows, settings.scored, config, settings.chunk,
-                                    settings.batch, "ppl/kl bf16 reference", settings.progress)
-
-
 def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
-             settings: EvalSettings = EvalSettings(), reference: torch.Tensor | None = None,
-             text_path=None) -> EvalResult:
-    """Run `settings.tasks` for one method. `model` is the unmodified (reference) model, eval mode."""
+             settings: EvalSettings = EvalSettings(), reference_model=None, text_path=None) -> EvalResult:
+    """Run `settings.tasks` for one method on `model` (eval mode; methods that fold transforms work on a
+    copy). The KL's reference is a plain forward of `reference_model`, default `model`."""
     t0 = time.perf_counter()
     test_model, config = apply_method(method, model, args)
     check_lengths(model, settings)
@@ -135,11 +128,11 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
     )
     if "ppl" in settings.tasks or "kl" in settings.tasks:
         windows = heldout_windows(tokenizer, model.config.vocab_size, longest, settings.samples, text_path)
-        if reference is None:
-            reference = reference_logprobs(model, windows, settings)
-        logprobs = perplexity.score_windows(test_model, windows, settings.scored, config, settings.chunk,
-                                            settings.batch, f"ppl/kl {method}", settings.progress)
-        stats = perplexity.ppl_kl(logprobs, reference, windows)
+        per_window = perplexity.window_stats(test_model, windows, settings.scored, config,
+                                             model if reference_model is None else reference_model,
+                                             settings.chunk, settings.batch,
+                                             f"ppl/kl {method}", settings.progress)
+        stats = perplexity.ppl_kl(per_window)
         result.ppl, result.ppl_bf16, result.kl = stats["ppl"], stats["ppl_bf16"], stats["kl"]
         result.settings["windows"] = list(windows.shape)
     if "niah" in settings.tasks:

@@ -273,13 +273,17 @@ def bytes_per_token(fmt: QuantFormat, dim: int) -> int | float:
 
 def fake_quantize_ste(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """Differentiable stand-in for fake_quantize, for calibration: rounding passes gradients straight through,
-    while the group scale and zero (from the group min/max) stay differentiable. Forward values are exactly
-    fake_quantize's. Calibration must still judge its objective with
+    while the group scale and zero (from the group min/max) stay differentiable (integer formats, channel or
+    token groups; the other kinds pass gradients straight through, quantization error included, which is
+    why calibration refuses them). Forward values are exactly fake_quantize's. Calibration must still judge
+    its objective with
     the real fake_quantize: the straight-through gradient does not see how the step size drives rounding error.
     """
     if fmt.kind == "bf16":
         return x
-    if fmt.kind == "fp8" or fmt.kind == "fp4" or fmt.kind in CODEBOOK_KINDS or fmt.axis == "token":
+    if fmt.axis == "token":  # the same quantizer along tokens: x [..., n, dim], n whole blocks
+        return fake_quantize_ste(x.transpose(-1, -2), QuantFormat(fmt.kind, fmt.group)).transpose(-1, -2)
+    if fmt.kind == "fp8" or fmt.kind == "fp4" or fmt.kind in CODEBOOK_KINDS:
         return x + (fake_quantize(x.detach(), fmt) - x).detach()  # plain straight-through
     qmax = 2**fmt.bits - 1
     g = x.unflatten(-1, (-1, fmt.group))
