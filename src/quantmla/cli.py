@@ -128,7 +128,12 @@ def cmd_calibrate(args) -> None:
 
     model_dir = resolve_model_dir(args.model)
     content, rope = _formats(args)
-    model = load_model(model_dir)
+    if args.streaming:
+        from quantmla.calibrate.streaming import skeleton
+
+        model = skeleton(model_dir)  # parameters on the meta device; calibrate_streaming loads them per layer
+    else:
+        model = load_model(model_dir)
     layers = describe(model)
     cfg = CacheConfig(content, rope, args.sink, args.recent).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
     ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size)
@@ -137,16 +142,6 @@ def cmd_calibrate(args) -> None:
         raise ValueError(f"need at least 2 calibration sequences of {args.length} tokens; the text has fewer")
     console.print(f"calibrating {model_dir} ({len(layers)} MLA attentions) for content {cfg.content}, "
                   f"rope {cfg.rope}: {batch.shape[0]} x {batch.shape[1]} tokens, {args.steps} steps per path")
-    torch.manual_seed(args.seed)
-    reports = calibrate_model(model, layers, batch, cfg, args.steps, args.seed)
-    table = Table(title="Calibration objectives on held-out calibration sequences (real quantization)")
-    for col in ("layer", "content: identity", "content: calibrated", "rope: identity", "rope: calibrated"):
-        table.add_column(col, justify="right")
-    fmt = lambda v: "-" if v is None else f"{v:.3e}"  # noqa: E731
-    for r in reports:
-        table.add_row(str(r.layer), fmt(r.content_identity), fmt(r.content_best), fmt(r.rope_identity),
-                      fmt(r.rope_best))
-    console.print(table)
     calibration = {"samples": int(batch.shape[0]), "length": int(batch.shape[1]), "steps": args.steps,
                    "seed": args.seed, "source": str(model_dir), "data": args.data or "built-in"}
     if args.dtype == "auto":
@@ -156,7 +151,28 @@ def cmd_calibrate(args) -> None:
         dtype = getattr(torch, source.get("dtype") or source.get("torch_dtype") or "float32")
     else:
         dtype = getattr(torch, args.dtype)
-    out = save_calibrated(model, args.out, cfg, calibration, reports, model_dir, dtype)
+    torch.manual_seed(args.seed)
+    if args.streaming:
+        from quantmla.calibrate.streaming import calibrate_streaming
+
+        result = calibrate_streaming(model_dir, args.out, batch, cfg, args.steps, args.seed, dtype, calibration)
+        reports = result.reports
+    else:
+        reports = calibrate_model(model, layers, batch, cfg, args.steps, args.seed)
+    table = Table(title="Calibration objectives on held-out calibration sequences (real quantization)")
+    for col in ("layer", "content: identity", "content: calibrated", "rope: identity", "rope: calibrated"):
+        table.add_column(col, justify="right")
+    fmt = lambda v: "-" if v is None else f"{v:.3e}"  # noqa: E731
+    for r in reports:
+        table.add_row(str(r.layer), fmt(r.content_identity), fmt(r.content_best), fmt(r.rope_identity),
+                      fmt(r.rope_best))
+    console.print(table)
+    if args.streaming:
+        out = result.out_dir
+        console.print(f"peak resident weights {result.peak_weight_bytes / 2**20:.1f} MiB of "
+                      f"{result.checkpoint_bytes / 2**20:.1f} MiB in the checkpoint")
+    else:
+        out = save_calibrated(model, args.out, cfg, calibration, reports, model_dir, dtype)
     console.print(f"wrote calibrated checkpoint to {out} (weights in {str(dtype).replace('torch.', '')})")
 
 
@@ -335,6 +351,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="weight dtype of the written checkpoint (default: the source's)")
+    s.add_argument("--streaming", action="store_true",
+                   help="for checkpoints larger than memory: hold one decoder layer's weights at a time, read "
+                        "from the safetensors shards and written to the output's shards as soon as folded")
     s.add_argument("--out", required=True, help="output directory")
     s.set_defaults(func=cmd_calibrate)
     s = sub.add_parser("eval", help="quality of a cache method: perplexity, KL to BF16, needle retrieval",

@@ -7,7 +7,7 @@ activations are alive at a time, so peak memory does not grow with depth. For a 
 memory (a 671 B DeepSeek-V3), build the model on the meta device and materialise one decoder layer's
 weights at a time from its safetensors shards (their index maps every tensor name to a file): this loop only
 ever touches `layers[i]`, so loading before and writing the folded tensors back after each step is all it
-needs around it.
+needs around it: `calibrate_model`'s `before_layer` / `after_layer` hooks, which `streaming.py` uses.
 """
 
 from __future__ import annotations
@@ -121,11 +121,14 @@ def calibrate_attention(attn, layer: MLALayer, hidden, position_embeddings, cfg:
 
 @torch.no_grad()
 def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: CacheConfig, steps: int = 100,
-                    seed: int = 0, progress: bool = True) -> list[LayerReport]:
+                    seed: int = 0, progress: bool = True, before_layer=None,
+                    after_layer=None) -> list[LayerReport]:
     """Calibrate and fold every MLA attention of `model` in place, one decoder layer at a time.
 
     input_ids [N, T]: calibration sequences, N >= 3, split by `search.Splits.of(N)` into fit / select /
     report; T > cfg.sink + cfg.recent, so that queries see quantized keys (longer is closer to serving).
+    before_layer(i, block) runs before decoder layer i's forward (e.g. to load its weights), after_layer(i,
+    block) once its attentions are folded (e.g. to write and free them).
     """
     cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
     check_calibratable(cfg)
@@ -136,6 +139,8 @@ def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg:
     reports = []
     bar = tqdm(list(enumerate(decoder_layers(model))), desc="calibrating layers", disable=not progress)
     for i, block in bar:
+        if before_layer is not None:
+            before_layer(i, block)
         mine = [l for l in layers if l.module.startswith(f"{prefix}{i}.")]
         seen = {}
         with attention_hooks(model, mine, seen):
@@ -151,4 +156,6 @@ def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg:
                 fold_rope(attn, l, rope)
             reports.append(report)
         hidden = out[0] if isinstance(out, tuple) else out
+        if after_layer is not None:
+            after_layer(i, block)
     return reports

@@ -32,6 +32,11 @@ def save_calibrated(model, out_dir: str | Path, cfg: CacheConfig, calibration: d
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(out_dir)
+    return finish_checkpoint(out_dir, reports, source_dir)
+
+
+def finish_checkpoint(out_dir: Path, reports=(), source_dir: str | Path | None = None) -> Path:
+    """Copy the source's tokenizer files and write calibration_report.json next to the weights."""
     if source_dir is not None:
         for name in _COPY:
             src = Path(source_dir) / name

@@ -1,0 +1,224 @@
+"""Streaming calibration: a checkpoint larger than memory, one decoder layer's weights resident at a time.
+
+The model is built as a skeleton whose parameters sit on the meta device (buffers such as RoPE's inv_freq
+are real: they are computed, not stored). Everything outside the decoder layers (embeddings, final norm,
+lm_head) is loaded from the safetensors shards up front; then `driver.calibrate_model` runs its usual
+layer-by-layer loop with two hooks around each decoder layer i:
+
+    before: read layer i's tensors from the shards (`safe_open`, lazily, through the checkpoint's
+            model.safetensors.index.json or its single model.safetensors) into the skeleton
+    after:  (the attentions are calibrated and folded) write layer i's tensors to its own output shard,
+            then put the layer back on the meta device
+
+so resident weights are the non-layer tensors plus one decoder layer (`StreamingResult.peak_weight_bytes`),
+while activations stay those of one layer as in the in-memory path. The output is a sharded Hugging Face
+checkpoint with the same tensor names as the source (MoE experts stay per-expert as in the checkpoint:
+the folds never touch them, so they are copied through, cast to the output dtype) and the same `quantmla`
+config section as `export.save_calibrated` writes; its weights equal the in-memory path's.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from quantmla.calibrate.driver import calibrate_model
+from quantmla.calibrate.export import SECTION, finish_checkpoint
+from quantmla.config import CacheConfig
+from quantmla.models.adapters import check_checkpoint_dir, describe
+
+_EXPERT = re.compile(r"^(?P<pre>.*mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+
+
+class ShardReader:
+    """Lazy access to a checkpoint's tensors by name, across its safetensors shards."""
+
+    def __init__(self, model_dir: str | Path):
+        self.dir = check_checkpoint_dir(model_dir)
+        index = self.dir / "model.safetensors.index.json"
+        if index.is_file():
+            self.weight_map = json.loads(index.read_text())["weight_map"]
+        elif (self.dir / "model.safetensors").is_file():
+            with safe_open(self.dir / "model.safetensors", "pt") as f:
+                self.weight_map = {k: "model.safetensors" for k in f.keys()}
+        else:
+            raise FileNotFoundError(f"{self.dir} has neither model.safetensors.index.json nor model.safetensors "
+                                    "(streaming calibration reads safetensors only)")
+
+    def keys_under(self, prefix: str) -> list[str]:
+        return [k for k in self.weight_map if k.startswith(prefix)]
+
+    def read(self, keys) -> dict[str, torch.Tensor]:
+        """The named tensors, each shard opened once (only these tensors are read into memory)."""
+        by_file: dict[str, list[str]] = {}
+        for k in keys:
+            by_file.setdefault(self.weight_map[k], []).append(k)
+        out = {}
+        for name, ks in by_file.items():
+            with safe_open(self.dir / name, "pt") as f:
+                for k in ks:
+                    out[k] = f.get_tensor(k)
+        return out
+
+    @property
+    def total_bytes(self) -> int:
+        total = 0
+        for name in set(self.weight_map.values()):
+            with safe_open(self.dir / name, "pt") as f:
+                for k in f.keys():
+                    if self.weight_map.get(k) == name:
+                        sl = f.get_slice(k)
+                        n = 1
+                        for d in sl.get_shape():
+                            n *= d
+                        total += n * _itemsize(sl.get_dtype())
+        return total
+
+
+def _itemsize(dtype: str) -> int:
+    return {"F64": 8, "I64": 8, "F32": 4, "I32": 4, "F16": 2, "BF16": 2, "I16": 2}.get(dtype, 1)
+
+
+@contextmanager
+def _parameters_on_meta():
+    """Modules built inside get their parameters on the meta device, their buffers on the CPU."""
+    register = nn.Module.register_parameter
+
+    def on_meta(module, name, param):
+        register(module, name, param)
+        if param is not None:
+            module._parameters[name] = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+
+    nn.Module.register_parameter = on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def skeleton(model_dir: str | Path, dtype: torch.dtype = torch.float32):
+    """The model of `model_dir` with every parameter on the meta device (no weights read)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(check_checkpoint_dir(model_dir), local_files_only=True)
+    config._attn_implementation = "eager"
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return model.eval()
+
+
+def _to_model_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> module names: per-expert projections become transformers' fused expert tensors
+    (gate_up_proj = cat(stack(gate), stack(up), dim 1), down_proj = stack(down)), as its loader does."""
+    out, experts = {}, {}
+    for k, v in tensors.items():
+        m = _EXPERT.match(k)
+        if m is None:
+            out[k] = v
+        else:
+            experts.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = v
+    for pre, projs in experts.items():
+        stack = {p: torch.stack([d[e] for e in sorted(d)]) for p, d in projs.items()}
+        out[f"{pre}.gate_up_proj"] = torch.cat([stack["gate_proj"], stack["up_proj"]], dim=1)
+        out[f"{pre}.down_proj"] = stack["down_proj"]
+    return out
+
+
+def _resident_bytes(model) -> int:
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
+
+
+@dataclass
+class StreamingResult:
+    reports: list
+    out_dir: Path
+    peak_weight_bytes: int  # most weight/buffer bytes resident at once (model tensors, not activations)
+    checkpoint_bytes: int  # all tensors of the source checkpoint
+
+
+def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: torch.Tensor, cfg: CacheConfig,
+                        steps: int = 100, seed: int = 0, dtype: torch.dtype | None = None,
+                        calibration: dict | None = None, progress: bool = True) -> StreamingResult:
+    """Calibrate and fold the checkpoint in `model_dir` one decoder layer at a time, writing a fused checkpoint
+    to `out_dir` (weights in `dtype`, default the source's) without ever holding all its weights.
+
+    Same arguments and the same fused weights as `driver.calibrate_model` + `export.save_calibrated`.
+    """
+    model_dir, out_dir = check_checkpoint_dir(model_dir), Path(out_dir)
+    reader = ShardReader(model_dir)
+    compute = torch.float32
+    model = skeleton(model_dir, compute)
+    source_cfg = json.loads((model_dir / "config.json").read_text())
+    if dtype is None:
+        dtype = getattr(torch, source_cfg.get("dtype") or source_cfg.get("torch_dtype") or "float32")
+    layers = describe(model)
+    prefix = layers[0].module.split(".layers.")[0] + ".layers."
+    n = len(model.get_submodule(prefix[:-1]))
+    files = [f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors" for i in range(n + 1)]
+    weight_map: dict[str, str] = {}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for stale in (*out_dir.glob("model*.safetensors"), *out_dir.glob("model.safetensors.index.json")):
+        stale.unlink()  # as save_pretrained does: an old single file would shadow the new index
+    peak = 0
+
+    def write(shard: str, keys, state: dict[str, torch.Tensor], source: dict[str, torch.Tensor]):
+        # a name the module has (folded or not) comes from the module; the per-expert names from the source
+        tensors = {k: (state[k] if k in state else source[k]).detach().to(dtype).contiguous() for k in keys}
+        save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
+        weight_map.update({k: shard for k in keys})
+
+    # Everything outside the decoder layers, resident for the whole run (the forward needs the embeddings).
+    rest = [k for k in reader.weight_map if not k.startswith(prefix)]
+    source = reader.read(rest)
+    missing, unexpected = model.load_state_dict(
+        {k: v.to(compute) for k, v in _to_model_names(source).items()}, strict=False, assign=True)
+    if unexpected:
+        raise ValueError(f"{model_dir}: tensors the model does not have: {unexpected[:5]}")
+    model.tie_weights()
+    still_meta = [name for name, p in model.named_parameters() if p.is_meta and not name.startswith(prefix)]
+    if still_meta:
+        raise ValueError(f"{model_dir}: the checkpoint lacks {still_meta[:5]}")
+    write(files[-1], rest, model.state_dict(), source)
+    del source
+
+    layer_source: dict[str, torch.Tensor] = {}
+
+    def before(i, block):
+        nonlocal peak
+        keys = reader.keys_under(f"{prefix}{i}.")
+        layer_source.clear()
+        layer_source.update({k[len(f"{prefix}{i}."):]: v for k, v in reader.read(keys).items()})
+        block.load_state_dict({k: v.to(compute) for k, v in _to_model_names(layer_source).items()}, strict=True,
+                              assign=True)
+        peak = max(peak, _resident_bytes(model))
+
+    def after(i, block):
+        names = list(layer_source)
+        state = block.state_dict()
+        tensors = {k: (state[k] if k in state else layer_source[k]) for k in names}
+        write(files[i], [f"{prefix}{i}.{k}" for k in names], {f"{prefix}{i}.{k}": v for k, v in tensors.items()},
+              {})
+        layer_source.clear()
+        block.to("meta")  # free the layer's weights
+
+    reports = calibrate_model(model, layers, input_ids, cfg, steps, seed, progress, before_layer=before,
+                              after_layer=after)
+    total = sum((out_dir / f).stat().st_size for f in files)
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+    cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
+    setattr(model.config, SECTION, {"method": "quantmla", **cfg.to_dict(), "calibration": calibration or {}})
+    model.config.dtype = dtype
+    model.config.save_pretrained(out_dir)
+    if getattr(model, "generation_config", None) is not None and model.can_generate():
+        model.generation_config.save_pretrained(out_dir)
+    finish_checkpoint(out_dir, reports, model_dir)
+    return StreamingResult(reports, out_dir, peak, reader.total_bytes)
