@@ -262,3 +262,18 @@ def test_calibrated_checkpoint_selects_its_formats(tmp_path):
     assert llm.model_name == "ckpt" and llm.tokenizer is None
     assert LLM(path, content="bf16", rope="bf16", max_num_seqs=2, kv_cache_bytes=1 << 20).stats()["format"] == "bf16/bf16"
     assert LLM(tiny_model("minicpm3"), max_num_seqs=2, kv_cache_bytes=1 << 20).cache_config == CacheConfig()
+
+
+def test_close_gives_the_model_back():
+    model = tiny_model("deepseek_v2")
+    ids = torch.tensor([prompts(128, (20,))[0]])
+    with torch.no_grad():
+        before = model(ids).logits
+    first = LLM(model, content="int4", rope="int4", sink=SINK, recent=RECENT, max_num_seqs=2, kv_cache_bytes=1 << 20)
+    out = first.generate([ids[0].tolist()], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    first.close()
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)
+    assert len(describe(model)) == 3
+    again = LLM(model, content="int4", rope="int4", sink=SINK, recent=RECENT, max_num_seqs=2, kv_cache_bytes=1 << 20)
+    assert again.generate([ids[0].tolist()], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids == out

@@ -248,6 +248,13 @@ class LLM:
     def decode(self, token_ids: list[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
+    def close(self) -> None:
+        """Give the model its own attention modules back and free the pools; the object is unusable after.
+        A model passed in as a module can then serve another LLM (e.g. one per cache format)."""
+        for rid in list(self.requests):
+            self.abort(rid)
+        self.runner.restore()
+
     def stats(self) -> dict:
         b = self.blocks
         return {

@@ -65,6 +65,7 @@ class ModelRunner:
                                            self.device, dtype=store_dtype)  # fmt: skip
             model.set_submodule(layer.module, PagedAttention(attention_module(model, layer), layer, cache, self.step))
             self.caches.append(cache)
+        self._attn_implementation = model.config._attn_implementation
         model.config._attn_implementation = ATTENTION_NAME
         # One block-table row per slot (the scratch slot's row points at the scratch page everywhere).
         self.slot_tables = torch.full((max_num_seqs + 1, self.max_blocks), num_blocks, dtype=torch.int32,
@@ -73,6 +74,16 @@ class ModelRunner:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         if cuda_graphs and self.device.type == "cuda":
             self._capture(graph_batch_sizes(max_num_seqs))
+
+    def restore(self) -> None:
+        """Put the model's own attention modules (and attention implementation) back; drop graphs and pools."""
+        for layer in self.layers:
+            wrapper = self.model.get_submodule(layer.module)
+            if isinstance(wrapper, PagedAttention):
+                self.model.set_submodule(layer.module, wrapper.attn)
+        self.model.config._attn_implementation = self._attn_implementation
+        self.graphs.clear()
+        self.caches.clear()
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=logits_to_keep)
