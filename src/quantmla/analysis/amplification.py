@@ -1,4 +1,4 @@
-"""The amplification experiment (DESIGN.md §5).
+"""The amplification experiment (README: "why the RoPE path needs its own method").
 
 Per layer, noise of exactly the given NMSE is put into one cache path (content c or RoPE k_pe) of that layer
 alone, on the tokens the serving policy (`CacheConfig.sink` / `recent`) would ever hold quantized, and the

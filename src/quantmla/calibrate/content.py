@@ -1,6 +1,6 @@
 """Content path calibration: orthogonal rotation R and channel scale sigma on attention-output reconstruction.
 
-Objective (DESIGN.md §3): the error of the attention output when the content cache is quantized, judged
+Objective: the error of the attention output when the content cache is quantized, judged
 where it lands — after both the scores and the value aggregation:
     || Attn(q, Q~(c), k_pe) - Attn(q, c, k_pe) ||^2 / || Attn(q, c, k_pe) ||^2
 where each query sees Q~(c) only at the keys the serving policy holds quantized for it (`policy`: sink and

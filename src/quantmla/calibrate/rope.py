@@ -1,6 +1,6 @@
 """RoPE path calibration: per-pair rotation phi_j and tied scale alpha_j on positional QK reconstruction.
 
-Objective (DESIGN.md §3), in cache coordinates with k' = M k and q' = M^-T q:
+Objective, in cache coordinates with k' = M k and q' = M^-T q:
     E_(t, u) ( q'(t) . (Q(k'(u)) - k'(u)) )^2  /  E_(t, u) ( q(t) . k(u) )^2
 over the pairs (t, u) where the serving policy holds key u quantized for query t (`policy`).
 Only the positional part of the scores sees RoPE-cache error, so this bounds what reaches the output.

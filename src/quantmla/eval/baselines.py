@@ -1,4 +1,4 @@
-"""The baselines (DESIGN.md §3) and quantmla itself as `quantmla eval --method` choices.
+"""The baselines and quantmla itself as `quantmla eval --method` choices.
 
 Each is `fn(model, args) -> (model, CacheConfig)` as in `eval.methods` (args: a `MethodArgs`, read only for
 .content/.rope/.sink/.recent). A method that folds a transform returns a deep copy and leaves `model` alone.

@@ -5,7 +5,7 @@ transforms into the weights (later issues), the model to run. Adding a method is
 in `METHODS`. A method function must not modify the model it is given (the evaluator keeps that one as the
 BF16 reference); one that changes weights returns a new model.
 
-Methods available now (DESIGN.md §3 baselines):
+Methods available now (the baselines the README lists under "Quality"):
   bf16         no quantization (the reference)
   fp8          vLLM's plain FP8 KV cache: the whole 576-wide row in e4m3 with one fixed per-tensor scale
                (`fp8:0` on both paths), no protected tokens
