@@ -193,7 +193,7 @@ def test_memory_bytes_is_what_is_stored(content, rope):
 def test_bf16_serving_cache_costs_1152_bytes_per_token_at_deepseek_dims():
     cache = QuantMLACache(CacheConfig.bf16())
     cache.update(torch.randn(1, 1, 300, 512, dtype=torch.bfloat16), torch.randn(1, 1, 300, 64).bfloat16(), 0)
-    assert cache.bytes_per_token() == 1152  # DESIGN §4
+    assert cache.bytes_per_token() == 1152  # (512 + 64) channels x 2 bytes
 
 
 def test_int4_body_shrinks_memory():

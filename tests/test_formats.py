@@ -141,7 +141,7 @@ def test_bytes_per_token_is_what_is_stored(kind, dim, group):
 
 
 def test_reference_byte_counts():
-    # DESIGN §4: a BF16 row of 512 + 64 channels is 1152 B; FlashMLA's FP8 latent is 512 + 4 * 4 B of scales.
+    # A BF16 row of 512 + 64 channels is 1152 B; FlashMLA's FP8 latent is 512 + 4 * 4 B of scales.
     assert bytes_per_token(QuantFormat("bf16"), 512) + bytes_per_token(QuantFormat("bf16"), 64) == 1152
     assert bytes_per_token(QuantFormat("fp8"), 512) == 528
     assert bytes_per_token(QuantFormat("int4"), 512) == 256 + 8 * 4
