@@ -71,10 +71,6 @@ class BlockManager:
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.free_slots: deque[int] = deque(range(max_num_seqs))
 
-    @property
-    def scratch_block(self) -> int:
-        return self.num_blocks
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -110,7 +106,7 @@ class BlockManager:
                 self.free_blocks.append(b)
         if seq.slot >= 0:
             self.free_slots.append(seq.slot)
-        seq.block_table, seq.slot, seq.num_cached = [], -1, 0
+        seq.block_table, seq.slot = [], -1
 
     def _take(self) -> int:
         b = self.free_blocks.popleft()

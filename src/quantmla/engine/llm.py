@@ -35,13 +35,12 @@ from quantmla.engine.block_manager import BlockManager, PoolLayout
 from quantmla.engine.model_runner import ModelRunner, storage_dtype
 from quantmla.engine.sampler import SamplingParams, sample
 from quantmla.engine.scheduler import Scheduler
-from quantmla.engine.sequence import Sequence, Status
+from quantmla.engine.sequence import Sequence
 from quantmla.models.adapters import describe
 
 log = logging.getLogger("quantmla.engine")
 
 ACTIVATION_RESERVE = 2 << 30  # bytes kept free on CUDA for activations and graphs when sizing from utilization
-SERVED = ("deepseek_v2", "deepseek_v3", "glm4_moe_lite", "minicpm3", "youtu", "longcat_flash")
 
 
 @dataclass

@@ -99,18 +99,17 @@ class ModelRunner:
 
     @torch.inference_mode()
     def prefill(self, seqs: list[Sequence]) -> torch.Tensor:
-        """Cache every not-yet-cached token of each sequence; logits of each one's last position [N, V]."""
+        """Cache all tokens of each (newly admitted) sequence; logits of each one's last position [N, V]."""
         rows = []
         for seq in seqs:
             self._sync_table(seq, whole=True)
             table = self.slot_tables[seq.slot]
             ids = torch.tensor(seq.token_ids, dtype=torch.long).to(self.device, non_blocking=True)
-            for start in range(seq.num_cached, len(seq), self.prefill_chunk):
+            for start in range(0, len(seq), self.prefill_chunk):
                 end = min(start + self.prefill_chunk, len(seq))
                 self.step.current = Prefill(seq.slot, table, start)
                 pos = torch.arange(start, end, device=self.device)
                 logits = self._forward(ids[None, start:end], pos[None])
-            seq.num_cached = len(seq)
             rows.append(logits[0])
         self.step.current = None
         return torch.stack(rows)
@@ -128,7 +127,6 @@ class ModelRunner:
                              [s.slot for s in seqs] + [self.scratch_slot] * pad])  # fmt: skip
         for s in seqs:
             self._sync_table(s)
-            s.num_cached = len(s)
         if bs in self.graphs:
             graph, out = self.graphs[bs]
             self._meta[:, :bs].copy_(meta, non_blocking=True)

@@ -22,7 +22,7 @@ class Sequence:
     """token_ids = prompt ++ generated. After a preemption the whole of it is prefilled again (recompute).
 
     block_table: pool blocks holding positions [i * P, (i + 1) * P); slot: its protected BF16 rows in every
-    layer's cache (-1 while waiting); num_cached: tokens whose cache entries are in the pool.
+    layer's cache (-1 while waiting).
     """
 
     request_id: str
@@ -32,7 +32,6 @@ class Sequence:
     status: Status = Status.WAITING
     block_table: list[int] = field(default_factory=list)
     slot: int = -1
-    num_cached: int = 0
     finish_reason: str | None = None
     preemptions: int = 0
     arrival_time: float = field(default_factory=time.perf_counter)
