@@ -823,7 +823,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--heads", type=int)
     ap.add_argument("--intermediate", type=int)
     ap.add_argument("--block-size", type=int)
-    ap.add_argument("--prefill-chunk", type=int, default=2048)
+    ap.add_argument("--prefill-chunk", type=int, default=8192)
     ap.add_argument("--max-num-seqs", type=int, help="default: each run's request count")
     ap.add_argument("--profile-steps", type=int, help="decode steps in the profile window (0: none)")
     ap.add_argument("--profile-mode", choices=("auto", "eager"), default="auto",

@@ -119,6 +119,32 @@ def test_pool_holds_quantize_codes_and_window_moves_on_time(fmts):
         assert torch.equal(cache.protected_rope[1, prow], r[prot])
 
 
+@pytest.mark.parametrize("cfg", [("int4", "int4:32", 4, 8), ("int2", "fp8:0", 0, 8), ("int4", "fp8:32", 3, 0),
+                                 ("bf16", "bf16", 4, 8)])
+def test_chunk_view_is_the_served_cache_and_its_band(cfg):
+    """write_chunk's view (built from the values it writes) = gather() after the chunk, and its band = the
+    positions a query of the chunk sees unquantized although the served cache has them quantized."""
+    dc, dr, page = 64, 32, 16
+    cc = CacheConfig(cfg[0], cfg[1], sink=cfg[2], recent=cfg[3])
+    table, nb = make_block_tables([90], page, generator=torch.Generator().manual_seed(3))
+    table = table[0].to(DEV)
+    cache = PagedMLACache.allocate(cc, dc, dr, nb, 3, block_size=page, device=DEV, fill=NAN)
+    c, r = torch.randn(90, dc, device=DEV).bfloat16(), torch.randn(90, dr, device=DEV).bfloat16()
+    start, bands = 0, 0
+    for n in [3, 1, 2, 7, 1, 20, 5, 40, 11]:
+        end = start + n
+        view = cache.write_chunk(2, cache.chunk_rows(table, start, n), c[start:end], r[start:end], view_dtype=torch.float32)
+        served = cache.gather(2, table, end, torch.float32)
+        assert torch.equal(view.c, served[0]) and torch.equal(view.k_pe, served[1]), (start, n)
+        sink, recent = cache.sink, cache.recent
+        lo, hi = max(sink, start + 1 - recent), max(sink, end - recent)
+        lo = min(lo, hi) if recent else hi
+        assert torch.equal(view.band_c, c[lo:hi].float()) and torch.equal(view.band_r, r[lo:hi].float())
+        bands += hi - lo
+        start = end
+    assert bands > 0 or cache.recent == 0
+
+
 @pytest.mark.parametrize("cfg", [("int4", "int4:32", 4, 8), ("int2", "bf16", 0, 8), ("int4", "int4:32", 3, 0)])
 def test_decode_writer_matches_bulk_writer(cfg):
     dc, dr, page, n = 64, 32, 16, 40

@@ -61,12 +61,14 @@ class PagedPath:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.scale, self.zero) if t is not None]
 
-    def write(self, rows: torch.Tensor, x: torch.Tensor, checked: bool = True) -> None:
-        """Quantize x [n, dim] with `quantize()` and store it at flat pool rows [n] (block * P + offset).
-        checked=False: no value checks, so no host sync (see `quantize`)."""
+    def write(self, rows: torch.Tensor, x: torch.Tensor, checked: bool = True) -> Packed:
+        """Quantize x [n, dim] with `quantize()` and store it at flat pool rows [n] (block * P + offset);
+        returns what was stored (in the pools' dtypes). checked=False: no value checks, so no host sync."""
         p = quantize(x, self.fmt, "cache", checked)
-        for pool, val in zip(self.tensors(), p.tensors()):
-            pool.view(-1, pool.shape[-1])[rows] = val.to(pool.dtype)
+        stored = [val.to(pool.dtype) for pool, val in zip(self.tensors(), p.tensors())]
+        for pool, val in zip(self.tensors(), stored):
+            pool.view(-1, pool.shape[-1])[rows] = val
+        return Packed(*stored)
 
     def read(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """Dequantize the tokens at flat pool rows [n] -> [n, dim] in `dtype` (via `dequantize()`)."""
@@ -95,6 +97,93 @@ def _alloc_path(fmt: QuantFormat, dim: int, num_blocks: int, block_size: int, de
     scale = torch.full((*lead, g), fill, dtype=torch.float16, device=device)
     zero = torch.full((*lead, g), fill, dtype=torch.float16, device=device)
     return PagedPath(fmt, dim, codes, scale, zero)
+
+
+@dataclass(frozen=True)
+class ChunkRows:
+    """Where a chunk of new tokens at positions [start, end) of one sequence goes, and what attention reads.
+
+    With S = sink and Q = max(S, end - recent), after the chunk positions [S, Q) are quantized and the rest
+    protected. In position order (E = max(S, start - recent): the quantized region before the chunk ends):
+      [0, min(S, end))   sink, BF16: protected rows [0, sink_old) (old), then rows new_sink = (lo, hi) taking
+                         the chunk's first hi - lo tokens
+      [S, E)             quantized before the chunk: pool rows `pool_old` [E - S] int64
+      [E, Q)             quantized by this chunk: old tokens from ring rows `evict_ring`, then the chunk's tokens
+                         evict_fresh = (lo, hi) (indices into the chunk); stored at pool rows `evict_dst`
+      [Q, end)           recent, BF16: old tokens at ring rows `tail_old`, then the chunk's tokens from index
+                         new_tail_src on, written to ring rows `new_tail`
+    The band [band_start, Q): positions quantized in the served cache after the chunk that some query of the
+    chunk still sees unquantized (within `recent` of it): band_start = max(S, start + 1 - recent), or Q when
+    recent = 0 (then no query sees a BF16 copy of a quantized position). Index tensors are None where the part is empty; all live on the block table's device.
+    They depend only on positions, the block table, page size, sink and recent, so an engine builds them
+    once per chunk for all layers.
+    """
+
+    start: int
+    end: int
+    sink_old: int
+    new_sink: tuple[int, int] | None
+    pool_old: torch.Tensor | None
+    evict_ring: torch.Tensor | None
+    evict_fresh: tuple[int, int]
+    evict_dst: torch.Tensor | None
+    tail_old: torch.Tensor | None
+    new_tail_src: int
+    new_tail: torch.Tensor | None
+    evict_start: int  # E
+    q_end: int  # Q
+    band_start: int
+
+    @classmethod
+    def build(cls, block_table: torch.Tensor, start: int, n: int, block_size: int, sink: int, recent: int
+              ) -> ChunkRows:
+        end, dev = start + n, block_table.device
+        q_end = max(sink, end - recent)
+        e = max(sink, start - recent)
+
+        def positions(lo, hi):
+            return torch.arange(lo, hi, device=dev) if hi > lo else None
+
+        def pool(lo, hi):
+            pos = positions(lo, hi)
+            if pos is None:
+                return None
+            return block_table.long()[pos // block_size] * block_size + pos % block_size
+
+        def ring(lo, hi):
+            pos = positions(lo, hi)
+            return None if pos is None else sink + (pos - sink) % max(recent, 1)
+
+        tail_lo = max(q_end, start)
+        return cls(
+            start, end,
+            sink_old=min(sink, start),
+            new_sink=(start, min(sink, end)) if start < min(sink, end) else None,
+            pool_old=pool(sink, e),
+            evict_ring=ring(e, min(q_end, start)),
+            evict_fresh=(max(e, start) - start, max(q_end, start) - start),
+            evict_dst=pool(e, q_end),
+            tail_old=ring(q_end, start),
+            new_tail_src=tail_lo - start,
+            new_tail=ring(tail_lo, end),
+            evict_start=e,
+            q_end=q_end,
+            band_start=min(max(sink, start + 1 - recent), q_end) if recent else q_end,
+        )  # fmt: skip
+
+
+@dataclass
+class ChunkView:
+    """What a prefill chunk's attention reads, in `view_dtype`: the cache as served after the chunk, c [end,
+    dc] and k_pe [end, dr] in position order (quantized positions dequantized), and `band_c` / `band_r`, the
+    BF16 values of positions [start + 1 - recent, Q) clipped to >= sink: quantized in the served cache, but
+    still unquantized for the chunk's queries within `recent` of them (as stored in the ring: rounded to the
+    protected rows' dtype)."""
+
+    c: torch.Tensor
+    k_pe: torch.Tensor
+    band_c: torch.Tensor
+    band_r: torch.Tensor
 
 
 @dataclass
@@ -180,6 +269,12 @@ class PagedMLACache:
 
     # --- writers -------------------------------------------------------------------------------------
 
+    def chunk_rows(self, block_table: torch.Tensor, start: int, n: int) -> ChunkRows:
+        """The rows a chunk of n new tokens at positions [start, start + n) writes and reads (`ChunkRows`).
+        Depends only on positions, the block table, page size, sink and recent: an engine builds it once per
+        chunk and hands it to every layer's cache."""
+        return ChunkRows.build(block_table, start, n, self.block_size, self.sink, self.recent)
+
     def append(self, slot: int, block_table: torch.Tensor, seq_len: int, c: torch.Tensor, k_pe: torch.Tensor,
                checked: bool = True):
         """Append n tokens (c [n, dc], k_pe [n, dr], positions seq_len .. seq_len+n-1) to one sequence.
@@ -189,28 +284,53 @@ class PagedMLACache:
         then the new tokens that stay protected are written to the sink rows or the ring. checked=False skips
         the NaN/range checks (each a host sync; the engine's prefill vouches for its activations).
         """
-        n, L, dev = c.shape[0], seq_len, c.device
-        if n == 0:
-            return
-        new_len = L + n
-        # Positions that become quantized now: [max(sink, L - recent), new_len - recent).
-        q_lo, q_hi = max(self.sink, L - self.recent), new_len - self.recent
-        if q_hi > q_lo:
-            ring = self.protected_row(torch.arange(q_lo, max(q_lo, min(q_hi, L)), device=dev))  # older
-            fresh = torch.arange(max(q_lo, L), max(q_hi, L), device=dev) - L  # new tokens that skip the window
-            src_c = torch.cat([self.protected_content[slot, ring].to(c.dtype), c[fresh]])
-            src_r = torch.cat([self.protected_rope[slot, ring].to(k_pe.dtype), k_pe[fresh]])
-            dst = self.pool_rows(block_table, torch.arange(q_lo, q_hi, device=dev))
-            self.content.write(dst, src_c, checked)
-            self.rope.write(dst, src_r, checked)
-        # New tokens that stay protected: sink positions and the last `recent` positions.
-        pos = torch.arange(L, new_len, device=dev)
-        keep = (pos < self.sink) | (pos >= max(self.sink, new_len - self.recent))
-        if self.window and keep.any():
-            pos = pos[keep]
-            rows = self.protected_row(pos)
-            self.protected_content[slot, rows] = c[pos - L].to(self.protected_content.dtype)
-            self.protected_rope[slot, rows] = k_pe[pos - L].to(self.protected_rope.dtype)
+        if c.shape[0]:
+            self.write_chunk(slot, self.chunk_rows(block_table, seq_len, c.shape[0]), c, k_pe, checked)
+
+    def write_chunk(self, slot: int, rows: ChunkRows, c: torch.Tensor, k_pe: torch.Tensor, checked: bool = True,
+                    view_dtype: torch.dtype | None = None) -> ChunkView | None:
+        """`append` with precomputed rows; with `view_dtype`, also return what attention reads (`ChunkView`).
+
+        The view is built from the values just written (quantized tokens dequantized from the very codes
+        stored), so it equals `gather(slot, table, rows.end, view_dtype)` without reading new tokens back.
+        Every range is a host integer in `rows`: nothing here reads device data unless checked.
+        """
+        r, held = rows, self.protected_content.dtype
+        pc, pr = self.protected_content[slot], self.protected_rope[slot]
+        # Old protected rows are read before the chunk's new tokens overwrite the ring.
+        sink_old = (pc[: r.sink_old], pr[: r.sink_old]) if r.sink_old else None
+        tail_old = (pc[r.tail_old], pr[r.tail_old]) if r.tail_old is not None else None
+        evicted = packed = None
+        if r.evict_dst is not None:
+            fresh = slice(*r.evict_fresh)
+            evicted = (c[fresh], k_pe[fresh])
+            if r.evict_ring is not None:
+                evicted = (torch.cat([pc[r.evict_ring].to(c.dtype), evicted[0]]),
+                           torch.cat([pr[r.evict_ring].to(k_pe.dtype), evicted[1]]))
+            packed = (self.content.write(r.evict_dst, evicted[0], checked),
+                      self.rope.write(r.evict_dst, evicted[1], checked))
+        new_sink = new_tail = None
+        if r.new_sink is not None:
+            lo, hi = r.new_sink
+            new_sink = (c[: hi - lo].to(held), k_pe[: hi - lo].to(held))
+            pc[lo:hi], pr[lo:hi] = new_sink
+        if r.new_tail is not None:
+            new_tail = (c[r.new_tail_src :].to(held), k_pe[r.new_tail_src :].to(held))
+            pc[r.new_tail], pr[r.new_tail] = new_tail
+        if view_dtype is None:
+            return None
+        dt = view_dtype
+        parts = [sink_old, new_sink]
+        if r.pool_old is not None:
+            parts.append((self.content.read(r.pool_old, dt), self.rope.read(r.pool_old, dt)))
+        if packed is not None:
+            parts.append((dequantize(packed[0], self.content.fmt, dt), dequantize(packed[1], self.rope.fmt, dt)))
+        parts += [tail_old, new_tail]
+        parts = [p for p in parts if p is not None]
+        skip = r.band_start - r.evict_start
+        band = (evicted[0][skip:], evicted[1][skip:]) if evicted is not None else (c[:0], k_pe[:0])
+        return ChunkView(torch.cat([p[0].to(dt) for p in parts]), torch.cat([p[1].to(dt) for p in parts]),
+                         band[0].to(held).to(dt), band[1].to(held).to(dt))
 
     def append_decode(
         self,

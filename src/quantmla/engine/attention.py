@@ -3,8 +3,8 @@
 `PagedAttention` replaces each attention module of the model (module composition, the model's weights and
 every other module stay its own). What it does depends on the step the runner announces in its
 `StepContext`:
-  - `Prefill(slot, block_table, start)`: one chunk of one sequence, hidden [1, n, hidden] at positions
-    [start, start + n): `prefill_attention`;
+  - `Prefill` (`Prefill.plan(...)`, once per chunk): one chunk of one sequence, hidden [1, n, hidden] at
+    positions [start, start + n): `prefill_attention`;
   - `Decode(block_tables, seq_lens, slots, max_seq_len, checked)`: one token per sequence, hidden [B, 1,
     hidden]: `quantmla.decode_step.decode_step` (the Triton kernel on CUDA, the torch oracle elsewhere).
 
@@ -22,17 +22,60 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantmla.cache.paged import PagedMLACache
+from quantmla.cache.paged import ChunkRows, PagedMLACache
 from quantmla.decode_step import decode_step
 from quantmla.mla import project_cache, project_queries
 from quantmla.models.adapters import MLALayer
 
 
+QUERY_BLOCK = 1024  # prefill queries attend in blocks of this many: each block reads only the keys it can see
+
+
+@dataclass
+class QueryBlock:
+    """Queries [queries) of a chunk and the keys they can see: served-cache positions [0, served) and band
+    rows [band) (positions band_start + i); `mask` [len(queries), served + len(band)] additive (0 / -inf)."""
+
+    queries: slice
+    served: int
+    band: slice
+    mask: torch.Tensor
+
+
 @dataclass
 class Prefill:
+    """One chunk of one sequence: positions [rows.start, rows.end), built once per chunk for every layer."""
+
     slot: int
-    block_table: torch.Tensor  # [max_blocks] int32, covers start + n tokens
-    start: int  # tokens of this sequence already in the pool
+    rows: ChunkRows  # where the chunk's tokens go in every layer's pool (`PagedMLACache.chunk_rows`)
+    blocks: list[QueryBlock]
+
+    @classmethod
+    def plan(cls, cache: PagedMLACache, slot: int, block_table: torch.Tensor, start: int, n: int,
+             dtype: torch.dtype, query_block: int | None = None) -> Prefill:
+        """block_table [max_blocks] int32 covers start + n tokens. `cache`: any layer's (all are laid out alike).
+
+        Query t sees served key u if u <= t and u is a sink or recent key of the served cache or one it sees
+        quantized (u < t + 1 - recent); it sees band key u if t + 1 - recent <= u <= t. Blocking the queries
+        keeps the keys of each block to those it can see: about half the causal square, and only ~block +
+        recent band keys, instead of every query against the served cache and the whole band."""
+        query_block = query_block or QUERY_BLOCK
+        rows = cache.chunk_rows(block_table, start, n)
+        sink, recent, q_end, dev = cache.sink, cache.recent, rows.q_end, block_table.device
+        blocks = []
+        for lo in range(start, rows.end, query_block):
+            hi = min(lo + query_block, rows.end)
+            b_lo, b_hi = max(rows.band_start, lo + 1 - recent), min(q_end, hi)
+            b_lo = min(b_lo, b_hi)
+            t = torch.arange(lo, hi, device=dev)[:, None]
+            u = torch.arange(hi, device=dev)[None]
+            band = torch.arange(b_lo, b_hi, device=dev)[None]
+            served = (u <= t) & ((u < sink) | (u < t + 1 - recent) | (u >= q_end) | (recent == 0))
+            seen = torch.cat([served, (band <= t) & (band >= t + 1 - recent)], dim=1)
+            mask = torch.zeros(seen.shape, dtype=dtype, device=dev).masked_fill_(~seen, float("-inf"))
+            off = rows.band_start
+            blocks.append(QueryBlock(slice(lo - start, hi - start), hi, slice(b_lo - off, b_hi - off), mask))
+        return cls(slot, rows, blocks)
 
 
 @dataclass
@@ -55,43 +98,35 @@ def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hi
                       position_embeddings, ctx: Prefill) -> torch.Tensor:
     """Write the chunk's (c, k_pe) into the pool and return the attention output [1, n, hidden].
 
-    Keys come in two sets, each position at most once per query: the cache as it holds the first
-    start + n positions (`gather`: quantized body, BF16 sink and recent rows), and BF16 copies of the
-    positions some query of the chunk still sees unquantized ([max(sink, start + 1 - recent), start + n)).
-    A mask picks, for query t, key u from the first set when u < sink or u < t + 1 - recent, else from the
-    second; one `scaled_dot_product_attention` over both does the rest (expanded K/V, as the model's own
-    prefill).
+    Keys come in two sets, each position at most once per query: the cache as served after the chunk
+    (`write_chunk`'s view: quantized body, BF16 sink and recent rows), and the band of positions that the
+    served cache has quantized but a query of the chunk still sees in BF16 (those within `recent` of it).
+    Per block of queries (`ctx.blocks`), a mask picks for query t each key from the right set and one
+    `scaled_dot_product_attention` over the keys the block can see does the rest (expanded K/V, as the
+    model's own prefill).
     """
     c, k_pe = (x[0] for x in project_cache(attn, layer, hidden, position_embeddings))
-    n, start, dev, dtype = c.shape[0], ctx.start, c.device, hidden.dtype
-    end = start + n
-    sink, recent = cache.sink, cache.recent
-    lo = max(sink, start + 1 - recent) if recent else end
-    if lo < start:  # BF16 keys from before the chunk still sit in the recent ring
-        rows = cache.protected_row(torch.arange(lo, start, device=dev))
-        old_c, old_r = cache.protected_content[ctx.slot, rows], cache.protected_rope[ctx.slot, rows]
-    else:
-        old_c, old_r = cache.protected_content[ctx.slot, :0], cache.protected_rope[ctx.slot, :0]
-    skip, held = max(lo - start, 0), cache.protected_content.dtype
-    band_c = torch.cat([old_c, c[skip:].to(held)]).to(dtype)  # as the ring holds them (bf16 when serving)
-    band_r = torch.cat([old_r, k_pe[skip:].to(held)]).to(dtype)
-    cache.append(ctx.slot, ctx.block_table, start, c, k_pe, checked=False)
-    hist_c, hist_r = cache.gather(ctx.slot, ctx.block_table, end, dtype)
-
-    t = torch.arange(start, end, device=dev)[:, None]
-    u_hist = torch.arange(end, device=dev)[None]
-    u_band = torch.arange(end - band_c.shape[0], end, device=dev)[None]
-    in_hist = (u_hist <= t) & ((u_hist < sink) | (u_hist < t + 1 - recent) | (recent == 0))
-    in_band = (u_band <= t) & (u_band >= t + 1 - recent)
-    mask = torch.cat([in_hist, in_band], dim=1)
-
-    all_c, all_r = torch.cat([hist_c, band_c]), torch.cat([hist_r, band_r])
+    view = cache.write_chunk(ctx.slot, ctx.rows, c, k_pe, checked=False, view_dtype=hidden.dtype)
+    served, band = view.c.shape[0], view.band_c.shape[0]
+    all_c, all_r = view.c, view.k_pe
+    if band:
+        all_c, all_r = torch.cat([all_c, view.band_c]), torch.cat([all_r, view.band_r])
     q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    q = torch.cat([q_nope, q_pe], dim=-1)
     kv = attn.kv_b_proj(all_c).view(-1, layer.num_heads, layer.nope_dim + layer.v_dim).transpose(0, 1)
     k_nope, v = kv.split([layer.nope_dim, layer.v_dim], dim=-1)
     k = torch.cat([k_nope, all_r[None].expand(layer.num_heads, -1, -1)], dim=-1)
-    q = torch.cat([q_nope, q_pe], dim=-1)
-    out = F.scaled_dot_product_attention(q, k[None], v[None], attn_mask=mask, scale=layer.softmax_scale)
+    outs = []
+    for blk in ctx.blocks:
+        if blk.band.stop > blk.band.start:
+            band_rows = slice(served + blk.band.start, served + blk.band.stop)
+            kb = torch.cat([k[:, : blk.served], k[:, band_rows]], dim=1)
+            vb = torch.cat([v[:, : blk.served], v[:, band_rows]], dim=1)
+        else:
+            kb, vb = k[:, : blk.served], v[:, : blk.served]
+        outs.append(F.scaled_dot_product_attention(q[:, :, blk.queries], kb[None], vb[None], attn_mask=blk.mask,
+                                                   scale=layer.softmax_scale))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return attn.o_proj(out.transpose(1, 2).flatten(2))
 
 

@@ -82,7 +82,7 @@ class LLM:
                  rope: str | None = None, sink: int | None = None, recent: int | None = None,
                  device: str | torch.device | None = None, kv_cache_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.9, max_num_seqs: int = 64, max_model_len: int | None = None,
-                 block_size: int = 64, prefill_chunk: int = 2048, cuda_graphs: bool = True,
+                 block_size: int = 64, prefill_chunk: int = 8192, cuda_graphs: bool = True,
                  dtype: torch.dtype | None = None, tokenizer=None):
         if isinstance(model, nn.Module) and device is None:
             device = next(model.parameters()).device

@@ -53,6 +53,7 @@ class ModelRunner:
                  cuda_graphs: bool = True):
         self.model, self.layers = model, layers
         self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
         self.block_size, self.max_model_len, self.prefill_chunk = block_size, max_model_len, prefill_chunk
         self.max_blocks = -(-max_model_len // block_size)
         self.scratch_block, self.scratch_slot = num_blocks, max_num_seqs
@@ -107,7 +108,7 @@ class ModelRunner:
             ids = torch.tensor(seq.token_ids, dtype=torch.long).to(self.device, non_blocking=True)
             for start in range(0, len(seq), self.prefill_chunk):
                 end = min(start + self.prefill_chunk, len(seq))
-                self.step.current = Prefill(seq.slot, table, start)
+                self.step.current = Prefill.plan(self.caches[0], seq.slot, table, start, end - start, self.dtype)
                 pos = torch.arange(start, end, device=self.device)
                 logits = self._forward(ids[None, start:end], pos[None])
             rows.append(logits[0])
