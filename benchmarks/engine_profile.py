@@ -49,9 +49,13 @@ def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def profile_prefill(model, dev, fmt, prompt_len: int, chunks: list[int], vocab: int) -> list[dict]:
+def profile_prefill(model, dev, fmt, prompt_len: int, chunks: list[int], query_blocks: list[int], vocab: int
+                    ) -> list[dict]:
+    import quantmla.engine.attention as attention
+
     rows = []
-    for chunk in chunks:
+    for chunk, query_block in [(c, q) for c in chunks for q in query_blocks]:
+        attention.QUERY_BLOCK = query_block
         llm = LLM(model, content=fmt[0], rope=fmt[1], device=dev, kv_cache_bytes=None if dev.type == "cpu" else 4 << 30,
                   max_num_seqs=2, max_model_len=prompt_len + 8, prefill_chunk=chunk, cuda_graphs=False)  # fmt: skip
         for p in prompts(2, prompt_len, vocab, seed=1):
@@ -76,7 +80,7 @@ def profile_prefill(model, dev, fmt, prompt_len: int, chunks: list[int], vocab: 
         llm.runner.prefill(seqs)
         sync(dev)
         wall = time.perf_counter() - t
-        rows.append(dict(chunk=chunk, prompt=prompt_len, wall_s=wall, tok_s=prompt_len / wall, host_syncs=syncs))
+        rows.append(dict(chunk=chunk, query_block=query_block, prompt=prompt_len, wall_s=wall, tok_s=prompt_len / wall, host_syncs=syncs))
         llm.close()
         del llm
         if dev.type == "cuda":
@@ -143,11 +147,11 @@ def profile_decode(model, dev, fmt, batch: int, context: int, steps: int, vocab:
 def markdown(res: dict) -> str:
     lines = [f"# Engine profile: prefill and decode step\n", f"Card: {res['device']}. Date: {res['date']}. "
              f"torch {res['torch']}. Command: `{res['command']}`.\n", "Model: " + res["model"] + "\n",
-             "## Prefill of one prompt\n", "| format | prompt | chunk | wall s | tok/s | host syncs |",
-             "|---|---:|---:|---:|---:|---|"]
+             "## Prefill of one prompt\n", "| format | prompt | chunk | query block | wall s | tok/s | host syncs |",
+             "|---|---:|---:|---:|---:|---:|---|"]
     for fmt, rows in res["prefill"].items():
         for r in rows:
-            lines.append(f"| {fmt} | {r['prompt']} | {r['chunk']} | {r['wall_s']:.3f} | {r['tok_s']:.0f} | "
+            lines.append(f"| {fmt} | {r['prompt']} | {r['chunk']} | {r['query_block']} | {r['wall_s']:.3f} | {r['tok_s']:.0f} | "
                          f"{r['host_syncs']} |")
     lines += ["", "## Decode step (median per step, ms)\n",
               "| format | batch | context | graphs | wall | GPU | host | host share | schedule | runner | sample | rest |",
@@ -172,6 +176,7 @@ def main(argv=None):
     ap.add_argument("--formats", default=",".join(FORMATS))
     ap.add_argument("--prompt", type=int, default=8192)
     ap.add_argument("--chunks", default="2048,8192")
+    ap.add_argument("--query-blocks", default="1024", help="prefill attention query blocks to compare")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=50)
@@ -179,6 +184,7 @@ def main(argv=None):
     dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
     spec = TINY_MODEL if args.tiny else ModelSpec()
     if args.tiny:
+        args.query_blocks = "1024,64"
         args.prompt, args.chunks, args.batch, args.context, args.steps = 300, "64,512", 8, 200, 5
     model = build_model(spec, dev, seed=0)
     if dev.type == "cpu":
@@ -192,7 +198,8 @@ def main(argv=None):
     chunks = [int(c) for c in args.chunks.split(",")]
     for key in args.formats.split(","):
         fmt = FORMATS[key]
-        res["prefill"][key] = profile_prefill(model, dev, fmt, args.prompt, chunks, spec.vocab)
+        res["prefill"][key] = profile_prefill(model, dev, fmt, args.prompt, chunks,
+                                              [int(q) for q in args.query_blocks.split(",")], spec.vocab)
         print(key, "prefill", res["prefill"][key], flush=True)
         res["decode"][key] = profile_decode(model, dev, fmt, args.batch, args.context, args.steps, spec.vocab)
         print(key, "decode", res["decode"][key], flush=True)

@@ -669,40 +669,42 @@ def markdown(result: dict) -> str:
         "sequence, inside the same budget; the FP8 rows keep no BF16 window (as vLLM and FlashMLA).",
         "",
     ]
-    lines += table_lines(result["rows"])
-    lines += ["", "Time split of the headline runs (seconds of wall time; decode parts from the profile window's "
-              "shares applied to the run's decode time):", "",
-              "| format | wall | prefill | re-prefill | decode | of decode: attention | cache write | weights (GEMM) | "
-              "sampling | other kernels | host (Python, launches) | driver |",
-              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
-    for r in result["rows"]:
-        if r.get("skipped"):
-            continue
-        s, d = r["time_split"], r.get("decode_split_s", {})
-        parts = [fmt_num(d.get(k), ".1f") for k in (*CLASSES, "host")]
-        lines.append(f"| {r['format']} | {r['wall_s']:.1f} | {s['prefill_s']:.1f} | {s['reprefill_s']:.1f} | "
-                     f"{s['decode_s']:.1f} | {' | '.join(parts)} | {s['driver_s']:.1f} |")
-    graphs = {r["format"]: r["cuda_graphs"] for r in result["rows"] if not r.get("skipped")}
-    if c["device"].startswith("cuda"):
-        eager = [k for k, v in graphs.items() if not v]
-        lines += ["", f"Decode ran as CUDA graphs (batch sizes {next(iter(graphs.values()), [])})"
-                  + (f", except eagerly for {', '.join(eager)}." if eager else ".")]
-    lines += ["", "Profile windows (per decode step, ms):", ""]
-    for r in result["rows"]:
-        p = r.get("profile")
-        if p and p.get("step_ms") is not None:
-            lines.append(
-                f"- {r['format']}: {p['decode_steps']} decode steps at mean batch {p['mean_batch']:.1f} "
-                f"({p.get('source', 'in the CUDA-graph run')}): profiled step {p['step_ms']:.2f}, GPU busy "
-                f"{p['gpu_busy_ms']:.2f}, attention {p['attention_ms']:.2f}, cache write {p['cache_write_ms']:.2f}, "
-                f"GEMM {p['weights_ms']:.2f}, sampling "
-                f"{p['sampling_ms']:.2f}, other kernels {p['other_kernels_ms']:.2f}, host {p['host_ms']:.2f}; "
-                f"{p['kernels_seen']} kernels seen"
-                + f"; the run's unprofiled decode step at these batch sizes: {fmt_num(p.get('reference_step_ms'))}"
-            )
-        elif p is not None:
-            why = p.get("error") or p.get("note") or "no decode step in the window"
-            lines.append(f"- {r['format']}: no attention share measured ({why})")
+    if result["rows"]:  # the headline (a Poisson-only or sweep-only run has none)
+        lines += table_lines(result["rows"])
+        lines += ["", "Time split of the headline runs (seconds of wall time; decode parts from the profile window's "
+                  "shares applied to the run's decode time):", "",
+                  "| format | wall | prefill | re-prefill | decode | of decode: attention | cache write | weights (GEMM) | "
+                  "sampling | other kernels | host (Python, launches) | driver |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+        for r in result["rows"]:
+            if r.get("skipped"):
+                continue
+            s, d = r["time_split"], r.get("decode_split_s", {})
+            parts = [fmt_num(d.get(k), ".1f") for k in (*CLASSES, "host")]
+            lines.append(f"| {r['format']} | {r['wall_s']:.1f} | {s['prefill_s']:.1f} | {s['reprefill_s']:.1f} | "
+                         f"{s['decode_s']:.1f} | {' | '.join(parts)} | {s['driver_s']:.1f} |")
+        graphs = {r["format"]: r["cuda_graphs"] for r in result["rows"] if not r.get("skipped")}
+        if c["device"].startswith("cuda"):
+            eager = [k for k, v in graphs.items() if not v]
+            lines += ["", f"Decode ran as CUDA graphs (batch sizes {next(iter(graphs.values()), [])})"
+                      + (f", except eagerly for {', '.join(eager)}." if eager else ".")]
+        lines += ["", "Profile windows (per decode step, ms; the profiler's own callbacks inflate the host time, "
+                  "which `benchmarks/engine_profile.py` measures without it):", ""]
+        for r in result["rows"]:
+            p = r.get("profile")
+            if p and p.get("step_ms") is not None:
+                lines.append(
+                    f"- {r['format']}: {p['decode_steps']} decode steps at mean batch {p['mean_batch']:.1f} "
+                    f"({p.get('source', 'in the CUDA-graph run')}): profiled step {p['step_ms']:.2f}, GPU busy "
+                    f"{p['gpu_busy_ms']:.2f}, attention {p['attention_ms']:.2f}, cache write {p['cache_write_ms']:.2f}, "
+                    f"GEMM {p['weights_ms']:.2f}, sampling "
+                    f"{p['sampling_ms']:.2f}, other kernels {p['other_kernels_ms']:.2f}, host {p['host_ms']:.2f}; "
+                    f"{p['kernels_seen']} kernels seen"
+                    + f"; the run's unprofiled decode step at these batch sizes: {fmt_num(p.get('reference_step_ms'))}"
+                )
+            elif p is not None:
+                why = p.get("error") or p.get("note") or "no decode step in the window"
+                lines.append(f"- {r['format']}: no attention share measured ({why})")
     for name in ("sweep", "poisson"):
         rows = result.get(name, [])
         if not rows:
