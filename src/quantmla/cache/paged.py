@@ -297,7 +297,8 @@ class PagedMLACache:
         """
         r, held = rows, self.protected_content.dtype
         pc, pr = self.protected_content[slot], self.protected_rope[slot]
-        # Old protected rows are read before the chunk's new tokens overwrite the ring.
+        # Old protected rows are read (copied: advanced indexing) before the chunk's new tokens overwrite the
+        # ring; sink_old stays a view, as new sink tokens only go to rows [start, sink), past it.
         sink_old = (pc[: r.sink_old], pr[: r.sink_old]) if r.sink_old else None
         tail_old = (pc[r.tail_old], pr[r.tail_old]) if r.tail_old is not None else None
         evicted = packed = None
