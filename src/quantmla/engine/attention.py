@@ -29,6 +29,7 @@ from quantmla.models.adapters import MLALayer
 
 
 QUERY_BLOCK = 1024  # prefill queries attend in blocks of this many: each block reads only the keys it can see
+KEY_ALIGN = 64  # keys per block are padded to a multiple of this (masked keys)
 
 
 @dataclass
@@ -66,15 +67,23 @@ class Prefill:
         for lo in range(start, rows.end, query_block):
             hi = min(lo + query_block, rows.end)
             b_lo, b_hi = max(rows.band_start, lo + 1 - recent), min(q_end, hi)
-            b_lo = min(b_lo, b_hi)
+            if b_hi <= b_lo:
+                b_lo = b_hi = rows.band_start
+            # Pad the block's keys to a multiple of KEY_ALIGN with keys it does not see (later served ones,
+            # band ones out of reach): aligned key counts and mask rows keep the attention kernels fast.
+            served_hi = min(rows.end, hi + (-(hi + b_hi - b_lo)) % KEY_ALIGN)
+            need = (-(served_hi + b_hi - b_lo)) % KEY_ALIGN
+            take = min(need, b_lo - rows.band_start)
+            b_lo, need = b_lo - take, need - take
+            b_hi += min(need, q_end - b_hi)
             t = torch.arange(lo, hi, device=dev)[:, None]
-            u = torch.arange(hi, device=dev)[None]
+            u = torch.arange(served_hi, device=dev)[None]
             band = torch.arange(b_lo, b_hi, device=dev)[None]
             served = (u <= t) & ((u < sink) | (u < t + 1 - recent) | (u >= q_end) | (recent == 0))
             seen = torch.cat([served, (band <= t) & (band >= t + 1 - recent)], dim=1)
             mask = torch.zeros(seen.shape, dtype=dtype, device=dev).masked_fill_(~seen, float("-inf"))
             off = rows.band_start
-            blocks.append(QueryBlock(slice(lo - start, hi - start), hi, slice(b_lo - off, b_hi - off), mask))
+            blocks.append(QueryBlock(slice(lo - start, hi - start), served_hi, slice(b_lo - off, b_hi - off), mask))
         return cls(slot, rows, blocks)
 
 
@@ -116,6 +125,8 @@ def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hi
     kv = attn.kv_b_proj(all_c).view(-1, layer.num_heads, layer.nope_dim + layer.v_dim).transpose(0, 1)
     k_nope, v = kv.split([layer.nope_dim, layer.v_dim], dim=-1)
     k = torch.cat([k_nope, all_r[None].expand(layer.num_heads, -1, -1)], dim=-1)
+    if band:  # the blocks copy slices of K and V: contiguous per head makes those copies plain
+        v = v.contiguous()
     outs = []
     for blk in ctx.blocks:
         if blk.band.stop > blk.band.start:
