@@ -125,8 +125,6 @@ def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hi
     kv = attn.kv_b_proj(all_c).view(-1, layer.num_heads, layer.nope_dim + layer.v_dim).transpose(0, 1)
     k_nope, v = kv.split([layer.nope_dim, layer.v_dim], dim=-1)
     k = torch.cat([k_nope, all_r[None].expand(layer.num_heads, -1, -1)], dim=-1)
-    if band:  # the blocks copy slices of K and V: contiguous per head makes those copies plain
-        v = v.contiguous()
     outs = []
     for blk in ctx.blocks:
         if blk.band.stop > blk.band.start:
