@@ -3,6 +3,8 @@ rotation, and every method on tiny models (exact folds, byte counts at DeepSeek 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -257,6 +259,8 @@ def _model(family, **overrides):
 def _run(name, model, args=MethodArgs()):
     if name == "quantmla":
         return quantmla(model, args, FAST_CALIBRATION)
+    if name == "quantmla-t":
+        return quantmla(model, args, dataclasses.replace(FAST_CALIBRATION, token_axis=True))
     return BASELINES[name](model, args)
 
 

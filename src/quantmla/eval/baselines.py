@@ -21,7 +21,10 @@ so that in the accuracy table only the quantizer differs.
                RoPE a tied scale per pair (the only scaling that commutes with RoPE) from the pairs' maximal
                magnitudes; both folded. Statistics from the built-in calibration text. Formats as rtn.
   quantmla     our method: a checkpoint with a `quantmla` section (from `quantmla calibrate`) is used as is;
-               any other is calibrated first (calibrate.driver.calibrate_model on a copy; says so on stdout).
+               any other is calibrated first (calibrate.driver.calibrate_model on a copy; says so on stdout),
+               with the default (servable) search space: transforms x clipping ratios.
+  quantmla-t   the same with token-axis (KIVI-style) points in the search too: not servable by the paged
+               engine; it measures what serving token-axis groups would add.
 """
 
 from __future__ import annotations
@@ -200,6 +203,7 @@ class Calibration:
     length: int = 512
     steps: int = 100
     seed: int = 0
+    token_axis: bool = False  # also search KIVI-style token-axis groups (not servable by the paged engine)
 
 
 def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -> tuple[nn.Module, CacheConfig]:
@@ -214,6 +218,7 @@ def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -
         return model, replace(config, sink=config.sink if args.sink is None else args.sink,
                               recent=config.recent if args.recent is None else args.recent)
     from quantmla.calibrate.driver import calibrate_model, chosen_config
+    from quantmla.calibrate.space import SearchSpace
 
     config = _cache(args, args.content or "int4", args.rope or "int4")
     ids = calibration_ids(model, calibration.samples, calibration.length)
@@ -226,9 +231,15 @@ def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -
     model = copy.deepcopy(model)
     torch.manual_seed(calibration.seed)
     layers = describe(model)
-    reports = calibrate_model(model, layers, ids, config, calibration.steps, calibration.seed)
+    reports = calibrate_model(model, layers, ids, config, calibration.steps, calibration.seed,
+                              space=SearchSpace(token_axis=calibration.token_axis))
     return model, chosen_config(config.fit(layers[0].kv_lora_rank, layers[0].rope_dim), reports)
 
 
+def quantmla_token_axis(model: nn.Module, args) -> tuple[nn.Module, CacheConfig]:
+    """quantmla whose search also has token-axis (KIVI-style) points: what they would add if served."""
+    return quantmla(model, args, Calibration(token_axis=True))
+
+
 BASELINES = {"fp4": fp4, "turboquant": turboquant, "kivi": kivi, "quarot": quarot, "smoothquant": smoothquant,
-             "quantmla": quantmla}
+             "quantmla": quantmla, "quantmla-t": quantmla_token_axis}
