@@ -68,7 +68,7 @@ def main() -> None:
         cfg = base if budget is None else choose_formats(model, layers, calib, base, budget).config
         reports = calibrate_model(calibrated, layers, calib, cfg, a.steps, 0, progress=False)
         rows.append(row(label, calibrated, chosen_config(cfg, reports), time.perf_counter() - t0))
-    result = {"model": str(model_dir), "date": str(datetime.date.today()), "machine": f"CPU {platform.machine()}",
+    result = {"model": model_dir.name, "date": str(datetime.date.today()), "machine": f"CPU {platform.machine()}",
               "samples": a.samples, "steps": a.steps, "windows": a.windows, "rows": rows}
     out = Path(a.out)
     (out / "budget.json").write_text(json.dumps(result, indent=1) + "\n")
