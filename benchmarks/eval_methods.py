@@ -26,32 +26,67 @@ from pathlib import Path
 
 import torch
 
+from quantmla.config import QuantFormat
 from quantmla.data import resolve_model_dir, tokenizer_for
+from quantmla.eval.baselines import KIVI_TOKENS, RECENT, SINK
 from quantmla.eval.methods import METHODS, MethodArgs
 from quantmla.eval.suite import EvalSettings, evaluate
 from quantmla.models import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
-# The accuracy table of issue 4: every method at INT4/INT4, then INT2/INT4, then content-only INT4.
+# The accuracy table of issues 4 and 10: every method at INT4/INT4, then INT2/INT4, then content-only INT4;
+# with --equal-bytes (on for this preset) a quantmla row at KIVI's measured bytes follows each kivi row.
+# quantmla-t also searches token-axis points (not servable): what serving them would add.
 ACCURACY = (
     "bf16,fp8,fp8-content,rtn@int4/int4,fp4,turboquant,kivi@int4/int4,quarot@int4/int4,smoothquant@int4/int4,"
-    "quantmla@int4/int4,"
-    "rtn@int2/int4,kivi@int2/int4,quarot@int2/int4,smoothquant@int2/int4,quantmla@int2/int4,"
+    "quantmla@int4/int4,quantmla-t@int4/int4,"
+    "rtn@int2/int4,kivi@int2/int4,quarot@int2/int4,smoothquant@int2/int4,quantmla@int2/int4,quantmla-t@int2/int4,"
     "rtn-content@int4/bf16,kivi@int4/bf16,quarot@int4/bf16,smoothquant@int4/bf16,quantmla@int4/bf16"
 )
 
 
 def parse_rows(text: str) -> list[tuple[str, MethodArgs]]:
-    """'method' or 'method@CONTENT/ROPE', comma-separated."""
+    """'method', 'method@CONTENT/ROPE' or 'method@CONTENT/ROPE+rRECENT' (a BF16 window of RECENT tokens),
+    comma-separated."""
     rows = []
     for spec in (r.strip() for r in text.split(",") if r.strip()):
+        spec, _, recent = spec.partition("+r")
         method, _, formats = spec.partition("@")
         if method not in METHODS:
             raise SystemExit(f"unknown method {method!r}; known: {', '.join(METHODS)}")
         content, _, rope = formats.partition("/")
-        rows.append((method, MethodArgs(content or None, rope or None)))
+        rows.append((method, MethodArgs(content or None, rope or None, recent=int(recent) if recent else None)))
     return rows
+
+
+def staged_tokens(length: int, block: int, sink: int = SINK, recent: int = RECENT) -> int:
+    """Tokens a token-axis cache of `length` tokens holds in BF16 staging: left the window, block not full."""
+    return max(length - sink - recent, 0) % block
+
+
+def _channel_twin(spec: str | None) -> str:
+    """The channel-grouped format of the same kind as a kivi path's format (kivi's default: int4:t64)."""
+    fmt = QuantFormat.parse(spec or "int4")
+    return str(fmt) if fmt.axis == "channel" else fmt.kind
+
+
+def equal_bytes_rows(rows: list[tuple[str, MethodArgs]], length: int) -> list[tuple[str, MethodArgs]]:
+    """rows plus, after each kivi row, quantmla at the channel-grouped twin of its formats with the BF16
+    window widened by KIVI's staged tokens at `length`: the same measured bytes there (staging holds those
+    tokens in BF16 on both paths, or on the one token-axis path while the other is bf16 anyway). With blocks
+    of 64 the staging is the same at 2048 and at 131072 tokens, so the pair is equal at 128 K too."""
+    out = []
+    for method, args in rows:
+        out.append((method, args))
+        if method == "kivi":
+            blocks = [QuantFormat.parse(f).group for f in (args.content, args.rope)
+                      if f and QuantFormat.parse(f).axis == "token"]
+            extra = staged_tokens(length, min(blocks, default=KIVI_TOKENS))
+            if extra:
+                out.append(("quantmla", MethodArgs(_channel_twin(args.content), _channel_twin(args.rope),
+                                                   recent=RECENT + extra)))
+    return out
 
 
 def markdown(results: list[dict], meta: dict) -> str:
@@ -74,7 +109,9 @@ def markdown(results: list[dict], meta: dict) -> str:
         f"the held-out text, greedy `generate` with the cache under test, exact match; seed {s['seed']}, the "
         "same samples for every method.",
         f"- Bytes per token and layer: measured from the cache's `memory_bytes()` after {lengths[-1]} BF16 "
-        "tokens, protected (sink + recent) tokens included; \"body\" is one quantized token by the formula.",
+        "tokens and after 131072 (\"@128K\"), protected (sink + recent) and staged tokens included; \"body\" is "
+        "one quantized token by the formula (mean over layers). A quantmla row with a wider BF16 window "
+        "(sink+recent) right after a kivi row holds the same measured bytes as that row (KIVI's staging).",
         "",
         "## BF16 quality of the default model",
         "",
@@ -91,14 +128,16 @@ def markdown(results: list[dict], meta: dict) -> str:
         "",
         "## Methods",
         "",
-        "| method | content | rope | sink+recent | bytes/token | % of BF16 | body B/token | online FLOPs/token | ppl "
-        "| KL | " + " | ".join(cols) + " |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(cols),
+        "| method | content | rope | sink+recent | bytes/token | % of BF16 | B/token @128K | % @128K | body B/token "
+        "| online FLOPs/token | ppl | KL | " + " | ".join(cols) + " |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(cols),
     ]
     for r in results:
         acc = [f"{100 * r['niah'][t][str(n)]:.1f}" for t in tasks for n in lengths]
         lines.append(f"| {r['method']} | {r['content']} | {r['rope']} | {r['sink']}+{r['recent']} | "
-                     f"{r['bytes_per_token']:.1f} | {r['percent_of_bf16']:.1f} | {r['bytes_per_token_body']} | "
+                     f"{r['bytes_per_token']:.1f} | {r['percent_of_bf16']:.1f} | "
+                     f"{r.get('bytes_per_token_long', 0):.1f} | {r.get('percent_of_bf16_long', 0):.2f} | "
+                     f"{r['bytes_per_token_body']:g} | "
                      f"{r.get('costs', {}).get('online_flops_per_token', 0) or '-'} | "
                      f"{r['ppl']:.4f} | {r['kl']:.2e} | " + " | ".join(acc) + " |")
     lines += ["", "Needle columns: accuracy in % per task and length."]
@@ -119,8 +158,13 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
     ap.add_argument("--out", default=str(RESULTS / "eval_methods"), help="output path without extension")
+    ap.add_argument("--equal-bytes", action=argparse.BooleanOptionalAction, default=None,
+                    help="after each kivi row, quantmla with the same measured bytes (BF16 window widened by "
+                         "KIVI's staging at the longest length); default: on for --methods accuracy")
     ap.add_argument("--render", help="only rewrite the .md beside this results JSON (no evaluation)")
     args = ap.parse_args(argv)
+    if args.equal_bytes is None:
+        args.equal_bytes = args.methods == "accuracy"
     if args.render:
         data = json.loads(Path(args.render).read_text())
         Path(args.render).with_suffix(".md").write_text(markdown(data.pop("results"), data))
@@ -130,6 +174,8 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     rows = parse_rows(ACCURACY if args.methods == "accuracy" else args.methods)
+    if args.equal_bytes:
+        rows = equal_bytes_rows(rows, max(int(v) for v in args.lengths.split(",")))
     settings = EvalSettings(lengths=tuple(int(v) for v in args.lengths.split(",")), samples=args.samples,
                             scored=args.scored, seed=args.seed, batch=args.batch)
     model_dir = resolve_model_dir(args.model)
@@ -140,7 +186,8 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for m, method_args in rows:
         r = evaluate(model, tokenizer, m, method_args, settings).to_dict()
-        print(f"{m:12s} {r['content']:>7s}/{r['rope']:<7s} {r['bytes_per_token']:7.1f} B/token  ppl "
+        print(f"{m:12s} {r['content']:>7s}/{r['rope']:<7s} {r['bytes_per_token']:7.1f} B/token "
+              f"({r['bytes_per_token_long']:.1f} @128K, sink+recent {r['sink']}+{r['recent']})  ppl "
               f"{r['ppl']:.4f}  kl {r['kl']:.3e}  niah {r['niah']}  ({r['seconds']:.0f} s)", flush=True)
         results.append(r)
         write(out, results, args, argv, model_dir, t0)

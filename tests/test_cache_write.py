@@ -45,7 +45,7 @@ def _group(fmt: QuantFormat, group: int, kind: int, g: torch.Generator) -> torch
         x = torch.zeros(group)
         x[1] = J * 2.0**-25
         if fmt.is_integer:
-            m = int(quantize(x[None], QuantFormat(fmt.kind, group)).scale[0, 0].float() / 2.0**-24)
+            m = int(quantize(x[None], QuantFormat(fmt.kind, group, clip=fmt.clip)).scale[0, 0].float() / 2.0**-24)
             k = torch.randint(0, max((J // m - 1) // 2, 0) + 1, (group - 2,), generator=g)
             x[2:] = (2 * k + 1) * m * 2.0**-25
         return x[torch.randperm(group, generator=g)]
@@ -118,7 +118,8 @@ def run_pair(fmts, lens=LENS, *, sink=4, recent=8, page=16, steps=5, dc=128, dr=
 @pytest.mark.parametrize(
     "fmts",
     [("bf16", "bf16"), ("int4", "int4"), ("int2", "int4"), ("int8", "int8"), ("int4:32", "int4:32"),
-     ("fp8", "fp8:0"), ("fp8:32", "fp8:32"), ("int4", "bf16"), ("bf16", "int2:32")],
+     ("fp8", "fp8:0"), ("fp8:32", "fp8:32"), ("int4", "bf16"), ("bf16", "int2:32"),
+     ("int4c0.85", "int2:32c0.7"), ("int8c0.9", "int4:16c0.95")],
 )  # fmt: skip
 def test_fused_writer_is_byte_identical(fmts):
     run_pair(fmts)

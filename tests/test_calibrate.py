@@ -2,6 +2,7 @@
 identity on untouched report sequences, and the fused checkpoint round-trips exactly."""
 
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -182,7 +183,12 @@ def test_calibrate_command_round_trip(tmp_path):
                  "--recent", "16", "--steps", "5", "--out", str(out)]) == 0
     section = quantmla_section(out)
     assert section["method"] == "quantmla" and section["content"] == "int2:32" and section["rope"] == "int4:8"
-    assert cache_config_of(out) == CacheConfig("int2:32", "int4:8", 4, 16)
+    report = json.loads((out / "calibration_report.json").read_text())
+    chosen = tuple((QuantFormat.parse(r["content_format"]), QuantFormat.parse(r["rope_format"])) for r in report)
+    # the section serves what the search chose per layer: the asked formats with a clipping ratio each
+    assert cache_config_of(out).per_layer == chosen
+    assert all(replace(c, clip=1.0) == QuantFormat.parse("int2:32") for c, _ in chosen)
+    assert cache_config_of(out).at(1) == CacheConfig(*chosen[1], 4, 16)
     ids = torch.randint(0, 128, (2, 24))
     original = AutoModelForCausalLM.from_pretrained(src).eval()
     fused = AutoModelForCausalLM.from_pretrained(out).eval()  # plain transformers, no quantmla involved
@@ -190,7 +196,6 @@ def test_calibrate_command_round_trip(tmp_path):
     # the selection may keep the identity in a layer and path, not everywhere
     assert any(not torch.equal(fused.model.layers[i].self_attn.kv_a_proj_with_mqa.weight,
                                original.model.layers[i].self_attn.kv_a_proj_with_mqa.weight) for i in (0, 1))
-    report = json.loads((out / "calibration_report.json").read_text())
     assert len(report) == 2 and "history" in report[0]
 
 
@@ -208,3 +213,70 @@ def test_calibrate_command_rejects_bad_arguments(tmp_path, capsys):
     assert main(base + ["--samples", "4", "--recent", "8", "--content", "fp8"]) == 2
     assert "content fp8:32 has no calibration surrogate" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+# ---------------------------------------------------------------- the quantizer search (clipping, axis)
+def test_rtn_and_smoothquant_are_points_of_the_search(layer_data):
+    """The scored points include RTN (recomputed here from the identity transform) and SmoothQuant
+    (recomputed from its scales, as the smoothquant baseline builds them), and the choice on the selection
+    sequences is no worse than either at any clipping ratio tried."""
+    from quantmla.calibrate.smooth import smooth_scales
+    from quantmla.calibrate.space import SearchSpace
+
+    d = layer_data
+    args = _content_args(d)
+    t, res = calibrate_content(*args, POLICY, steps=10, space=SearchSpace(clips=(0.9, 0.7)))
+    select = _report(args, Splits.of(8).select)
+    fit = Splits.of(8).fit
+    rtn = content_objective(*select, POLICY, ContentTransform.identity(d["c"].shape[-1], d["gamma"]))
+    assert res.points["identity@int2:32"] == pytest.approx(rtn, rel=1e-4)
+    gamma = d["gamma"].double()
+    m = smooth_scales(d["c"][fit].abs().amax((0, 1)), d["q_abs"][fit].abs().amax((0, 1, 2)))
+    sq = ContentTransform(torch.diag(torch.where(gamma < 0, -1.0, 1.0)), (gamma.abs() * m).float())
+    assert res.points["smoothquant@int2:32"] == pytest.approx(content_objective(*select, POLICY, sq), rel=1e-4)
+    assert len(res.points) == 3 * 3 and res.best == min(res.points.values())
+    assert res.best <= min(rtn, res.points["smoothquant@int2:32"])
+    assert res.format.clip in (1.0, 0.9, 0.7) and res.format.group == 32
+
+
+def test_clipping_lowers_the_int2_objective_on_report_sequences(layer_data):
+    """At INT2 a group's extreme values waste most of the 4 levels: the search picks a clipping ratio, and
+    the chosen point is better than the same transform unclipped on the report sequences (held out)."""
+    from quantmla.calibrate.space import SearchSpace
+
+    d = layer_data
+    args = _content_args(d)
+    t, res = calibrate_content(*args, POLICY, steps=20, space=SearchSpace())
+    assert res.format.clip < 1
+    report = _report(args, Splits.of(8).report)
+    unclipped = content_objective(*report, POLICY, t)
+    clipped = content_objective(*report, replace(POLICY, content=res.format), t)
+    assert clipped == pytest.approx(res.report["calibrated"], rel=1e-4) and clipped < 0.9 * unclipped
+
+
+def test_token_axis_points_only_when_asked_and_at_no_more_bytes():
+    from quantmla.calibrate.space import SearchSpace
+
+    base = QuantFormat.parse("int4")
+    plain = SearchSpace(clips=(0.9,)).formats(base, 512)
+    assert plain == [base, QuantFormat("int4", 64, clip=0.9)] and all(SearchSpace.servable(f) for f in plain)
+    wide = SearchSpace(clips=(0.9,), token_axis=True).formats(base, 64)
+    assert QuantFormat("int4", 64, "token") in wide and not SearchSpace.servable(QuantFormat("int4", 64, "token"))
+    # a group of 128 channels costs fewer bytes than blocks of 64 tokens: no token-axis point then
+    assert all(f.axis == "channel" for f in SearchSpace(token_axis=True).formats(QuantFormat("int4", 128), 512))
+    assert SearchSpace().formats(QuantFormat("fp8"), 512) == [QuantFormat("fp8")]
+
+
+def test_rope_search_with_token_axis_scores_kivi(layer_data):
+    """With token_axis, KIVI (identity at int4:t16 here, the block of the policy test) is a scored point."""
+    from quantmla.calibrate.space import SearchSpace
+
+    d = layer_data
+    pairs = d["layer"].cache_pairs
+    space = SearchSpace(clips=(), token_axis=True, kivi_tokens=16)
+    t, res = calibrate_rope(d["q_pe"], d["k_pe"], d["pos"], pairs, POLICY, steps=10, space=space)
+    sel = Splits.of(8).select
+    kivi = rope_objective(d["q_pe"][sel], d["k_pe"][sel], d["pos"], pairs, replace(POLICY, rope="int4:t16"),
+                          RopeTransform.identity(d["k_pe"].shape[-1]))
+    assert res.points["identity@int4:t16"] == pytest.approx(kivi, rel=1e-4)
+    assert res.best <= kivi

@@ -1,5 +1,7 @@
 """The demo pipeline end to end on a tiny checkpoint: calibrated checkpoints written, every row measured."""
 
+from dataclasses import replace
+
 from quantmla.calibrate.export import cache_config_of
 from quantmla.config import CacheConfig
 from quantmla.demo import DemoSettings, run_demo
@@ -15,7 +17,9 @@ def test_demo_pipeline(tmp_path):
     assert [label for label, _ in rows] == ["bf16", "rtn int2/int4", "quantmla int2/int4"]
     assert abs(rows[0][1].kl) < 1e-7  # a BF16 cache, measured against a plain forward
     assert rows[1][1].kl > 0 and rows[2][1].kl > 0  # tokens older than the 8-token window are quantized
-    assert cache_config_of(tmp_path / "out" / "quantmla-int2-int4") == CacheConfig("int2:32", "int4:16", 4, 8)
+    cfg = cache_config_of(tmp_path / "out" / "quantmla-int2-int4")  # the asked formats, a clipping ratio per layer
+    assert replace(cfg, layers=()) == CacheConfig("int2:32", "int4:16", 4, 8)
+    assert all(replace(c, clip=1) == cfg.content and replace(r, clip=1) == cfg.rope for c, r in cfg.per_layer)
 
 
 def test_demo_table_fits_80_columns_and_shows_the_128k_fraction():
@@ -25,20 +29,20 @@ def test_demo_table_fits_80_columns_and_shows_the_128k_fraction():
 
     from quantmla.cli import demo_table
 
-    def row(measured, body, multivalue):
+    def row(measured, long, multivalue):
         niah = {"single": {512: 1.0}, "multikey": {512: 0.94}, "multivalue": {512: multivalue}}
-        return SimpleNamespace(bytes_per_token=measured, bytes_per_token_bf16=1152, bytes_per_token_body=body,
+        return SimpleNamespace(bytes_per_token=measured, bytes_per_token_bf16=1152, bytes_per_token_long=long,
                                kl=1e-3, ppl=2.1, niah=niah)
 
-    rows = [("bf16", row(1152, 1152, 0.88)), ("quantmla int4/int4", row(537, 324, 0.81)),
-            ("quantmla int2/int4", row(442, 196, 0.75))]
+    # measured at 128 K: 132 BF16 tokens, the rest at 324 (int4/int4) or 196 (int2/int4) bytes
+    rows = [("bf16", row(1152, 1152, 0.88)), ("quantmla int4/int4", row(537, 324.83, 0.81)),
+            ("quantmla int2/int4", row(442, 196.93, 0.75))]
     console = Console(width=80, record=True)
-    console.print(demo_table("default_model", rows, (512,), 4 + 128))
+    console.print(demo_table("default_model", rows, (512,)))
     text = console.export_text()
     assert max(len(line) for line in text.splitlines()) <= 80
     lines = {line.split()[1] if line.split()[0] == "quantmla" else line.split()[0]: line
              for line in text.splitlines() if line.strip().startswith(("bf16", "quantmla"))}
-    # 128 K: 132 BF16 tokens, the rest at the body's bytes -> 28.2 % (int4/int4), 17.1 % (int2/int4)
     assert " 28.2 " in lines["int4/int4"] and " 46.6 " in lines["int4/int4"]
     assert " 17.1 " in lines["int2/int4"] and "100/94/75" in lines["int2/int4"]
     assert lines["bf16"].count("100.0") == 2

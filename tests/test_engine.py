@@ -287,3 +287,30 @@ def test_close_gives_the_model_back():
     assert len(describe(model)) == 3
     again = LLM(model, content="int4", rope="int4", sink=SINK, recent=RECENT, max_num_seqs=2, kv_cache_bytes=1 << 20)
     assert again.generate([ids[0].tolist()], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids == out
+
+
+def test_per_layer_clipped_formats_are_served_as_calibrated(tmp_path):
+    """A checkpoint whose section gives per-layer formats with clipping ratios (what `quantmla calibrate`
+    chooses): each layer's pool holds its own format, and greedy tokens equal `generate` with a QuantMLACache
+    of the same per-layer formats fed token by token (and differ from the unclipped formats' tokens)."""
+    import json
+
+    from quantmla.models import load_model
+
+    path = tmp_path / "ckpt"
+    model = sharp_model("deepseek_v3")
+    model.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    choices = [["int2:16c0.6", "int4:16c0.9"], ["int4:16c0.85", "int2:16c0.7"], ["int8:8c0.95", "int2:8c0.8"]]
+    layers = [choices[i % 3] for i in range(len(describe(model)))]
+    cfg["quantmla"] = {"method": "quantmla", "content": "int4", "rope": "int4", "sink": SINK, "recent": RECENT,
+                       "layers": layers}
+    (path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(path, max_num_seqs=4, block_size=PAGE, prefill_chunk=16, kv_cache_bytes=1 << 22)
+    assert [[str(c.content.fmt), str(c.rope.fmt)] for c in llm.runner.caches] == layers
+    model = load_model(path)
+    ids = prompts(model.config.vocab_size, (40, 70))
+    got = [o.token_ids for o in llm.generate(ids, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+    assert got == [hf_greedy(model, p, NEW, served_quant_cache(model, p, llm.cache_config)) for p in ids]
+    unclipped = CacheConfig(sink=SINK, recent=RECENT, layers=[[f.split("c")[0] for f in pair] for pair in layers])
+    assert got != [hf_greedy(model, p, NEW, served_quant_cache(model, p, unclipped)) for p in ids]

@@ -12,6 +12,8 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
+from quantmla.config import CLIPS
+
 console = Console()
 
 MODEL_HELP = ("local Hugging Face checkpoint directory (config.json + safetensors); "
@@ -104,6 +106,31 @@ def cmd_analyze(args) -> None:
 
 
 # ---------------------------------------------------------------- calibrate
+def calibration_table(reports) -> Table:
+    """Per layer and path: RTN (the identity), SmoothQuant and the chosen point's objective on the report
+    sequences, the gain over RTN, and the format chosen."""
+    table = Table(title="Calibration objectives on the report sequences (they neither fit nor chose; real "
+                        "quantization)", box=box.SIMPLE_HEAD)
+    for col in ("layer", "path", "chosen format", "RTN", "SmoothQuant", "quantmla", "vs RTN"):
+        table.add_column(col, justify="left" if col in ("path", "chosen format") else "right")
+    for r in reports:
+        for path in ("content", "rope"):
+            rtn, sq, best = (getattr(r, f"{path}_{k}") for k in ("identity", "smoothquant", "best"))
+            if best is None:
+                table.add_row(str(r.layer), path, "bf16", "-", "-", "-", "-")
+                continue
+            table.add_row(str(r.layer), path, getattr(r, f"{path}_format"), f"{rtn:.2e}", f"{sq:.2e}", f"{best:.2e}",
+                          f"{rtn / best:.2f}x" if best > 0 else "-")
+    return table
+
+
+def _float_list(text: str, flag: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise ValueError(f"{flag} takes comma-separated numbers, e.g. 1,0.9,0.8, got {text!r}") from None
+
+
 def _formats(args):
     """--content/--rope, with --group applied to the integer formats that name no group of their own."""
     from quantmla.config import QuantFormat
@@ -120,8 +147,9 @@ def _formats(args):
 def cmd_calibrate(args) -> None:
     import torch
 
-    from quantmla.calibrate.driver import calibrate_model
+    from quantmla.calibrate.driver import calibrate_model, chosen_config
     from quantmla.calibrate.export import save_calibrated
+    from quantmla.calibrate.space import SearchSpace
     from quantmla.config import CacheConfig
     from quantmla.data import encode, read_text, resolve_model_dir, token_windows, tokenizer_for
     from quantmla.models import describe, load_model
@@ -151,22 +179,44 @@ def cmd_calibrate(args) -> None:
         dtype = getattr(torch, source.get("dtype") or source.get("torch_dtype") or "float32")
     else:
         dtype = getattr(torch, args.dtype)
+    if args.budget is not None:
+        if args.streaming:
+            raise ValueError("--budget needs the model in memory (it scores every format on all layers first); "
+                             "drop --streaming")
+        from quantmla.calibrate.budget import choose_formats
+
+        alloc = choose_formats(model, layers, batch, cfg, args.budget, args.context)
+        cfg = alloc.config
+        calibration["budget"] = {"fraction": args.budget, "context": args.context, "chosen_fraction": alloc.fraction}
+        console.print(f"budget {100 * args.budget:.1f} % of BF16 at {args.context} tokens: chose, per layer "
+                      f"(content / rope), {', '.join(f'{c}/{r}' for c, r in cfg.per_layer)} = "
+                      f"{100 * alloc.fraction:.2f} % (before choosing clipping ratios, which cost no bytes)",
+                      soft_wrap=True)
+    space = SearchSpace(clips=_float_list(args.clips, "--clips"), token_axis=args.token_axis)
+    calibration["space"] = {"clips": list(space.clips), "token_axis": space.token_axis}
     torch.manual_seed(args.seed)
     if args.streaming:
         from quantmla.calibrate.streaming import calibrate_streaming
 
-        result = calibrate_streaming(model_dir, args.out, batch, cfg, args.steps, args.seed, dtype, calibration)
+        result = calibrate_streaming(model_dir, args.out, batch, cfg, args.steps, args.seed, dtype, calibration,
+                                     space=space)
         reports = result.reports
     else:
-        reports = calibrate_model(model, layers, batch, cfg, args.steps, args.seed)
-    table = Table(title="Calibration objectives on held-out calibration sequences (real quantization)")
-    for col in ("layer", "content: identity", "content: calibrated", "rope: identity", "rope: calibrated"):
-        table.add_column(col, justify="right")
-    fmt = lambda v: "-" if v is None else f"{v:.3e}"  # noqa: E731
-    for r in reports:
-        table.add_row(str(r.layer), fmt(r.content_identity), fmt(r.content_best), fmt(r.rope_identity),
-                      fmt(r.rope_best))
-    console.print(table)
+        reports = calibrate_model(model, layers, batch, cfg, args.steps, args.seed, space=space)
+    console.print(calibration_table(reports))
+    chosen = chosen_config(cfg, reports)
+    unservable = sorted({str(f) for pair in chosen.per_layer for f in pair if not SearchSpace.servable(f)})
+    from quantmla.calibrate.budget import fraction_at
+    from quantmla.eval.suite import body_bytes_per_token
+
+    dc, dr = layers[0].kv_lora_rank, layers[0].rope_dim
+    body = body_bytes_per_token(chosen, dc, dr)
+    console.print(f"cache: {body:g} B/token/layer quantized (BF16 {2 * (dc + dr)}); with sink {chosen.sink} + recent "
+                  f"{chosen.recent} in BF16: {100 * fraction_at(body, 2 * (dc + dr), chosen, args.context):.2f} % "
+                  f"of BF16 at {args.context} tokens", soft_wrap=True)
+    console.print("servable by `quantmla serve` (paged cache, fused writer, decode kernel): "
+                  + ("yes" if not unservable else f"no: {', '.join(unservable)} (token-axis formats are evaluated "
+                     "by `quantmla eval` through QuantMLACache only)"), soft_wrap=True)
     if args.streaming:
         out = result.out_dir
         console.print(f"peak resident weights {result.peak_weight_bytes / 2**20:.1f} MiB of "
@@ -240,21 +290,19 @@ def cmd_lm_eval(args) -> None:
 
 
 # ---------------------------------------------------------------- demo
-LONG_CONTEXT = 131072  # the context the byte fraction of a quantized cache converges to (what the method saves)
 
 
-def demo_table(name: str, rows, lengths, window: int) -> Table:
+def demo_table(name: str, rows, lengths) -> Table:
     """The demo's comparison, readable at 80 columns: bytes per token and layer as measured at the evaluated
-    length and as they would be at 128 K (`window` BF16 tokens per sequence, the rest at the body's bytes),
-    KL, perplexity, and needle accuracy as single/multikey/multivalue per length."""
+    length and at 128 K (both measured from the cache, protected and staged tokens included), KL,
+    perplexity, and needle accuracy as single/multikey/multivalue per length."""
     table = Table(title=f"{name}: cache methods (held-out KL/ppl; needles s/mk/mv %)", box=box.SIMPLE_HEAD)
     for col in ("method", "B/tok", "%BF16", "@128K", "KL", "ppl", *(f"needles {n}" for n in lengths)):
         table.add_column(col, justify="left" if col == "method" else "right")
     for label, r in rows:
-        bf16, body = r.bytes_per_token_bf16, r.bytes_per_token_body
-        w = 0 if body >= bf16 else window
-        at_long = 100 * (w * bf16 + (LONG_CONTEXT - w) * body) / (LONG_CONTEXT * bf16)
-        table.add_row(label, f"{r.bytes_per_token:.0f}", f"{100 * r.bytes_per_token / bf16:.1f}", f"{at_long:.1f}",
+        bf16 = r.bytes_per_token_bf16
+        table.add_row(label, f"{r.bytes_per_token:.0f}", f"{100 * r.bytes_per_token / bf16:.1f}",
+                      f"{100 * r.bytes_per_token_long / bf16:.1f}",
                       f"{r.kl:.2e}", f"{r.ppl:.3f}",
                       *("/".join(f"{100 * r.niah[t][n]:.0f}" for t in ("single", "multikey", "multivalue"))
                         for n in lengths))
@@ -272,7 +320,7 @@ def cmd_demo(args) -> None:
                                               scored=128, batch=8))
     console.rule(f"quantmla demo on {model_dir.name}")
     rows = run_demo(model_dir, Path(args.out), settings, log=lambda m: console.print(f"[bold]>[/] {m}"))
-    console.print(demo_table(model_dir.name, rows, settings.eval.lengths, settings.sink + settings.recent))
+    console.print(demo_table(model_dir.name, rows, settings.eval.lengths))
     _write_json(str(Path(args.out) / "demo.json"),
                 {"model": str(model_dir), "rows": [{"label": label, **r.to_dict()} for label, r in rows]})
 
@@ -337,7 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
                                    "reconstruction) and the RoPE transform (per-pair rotation + scale, on "
                                    "positional QK reconstruction) layer by layer, fold both into the weights and "
                                    "write a checkpoint that plain transformers loads; its config.json gets a "
-                                   "quantmla section that configures quantmla's cache.")
+                                   "quantmla section that configures quantmla's cache. Per path and layer the "
+                                   "search also chooses the quantizer: RTN (identity), SmoothQuant and the fitted "
+                                   "transform, each with every clipping ratio of --clips (and with --token-axis "
+                                   "KIVI-style token groups), scored on held-out selection sequences; the "
+                                   "chosen formats go into the section per layer. Every point is servable by "
+                                   "`quantmla serve` except token-axis ones.")
     s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--content", default="int4", help="content format (default int4)")
     s.add_argument("--rope", default="int4", help="RoPE format (default int4)")
@@ -348,6 +401,22 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--samples", type=int, default=8, help="calibration sequences, >= 3: fit/select/report (default 8)")
     s.add_argument("--length", type=int, default=512, help="tokens per sequence (default 512)")
     s.add_argument("--steps", type=int, default=100, help="optimiser steps per path and layer (default 100)")
+    s.add_argument("--clips", default=",".join(map(str, CLIPS)),
+                   help="clipping ratios the search tries per path and layer, chosen on the real objective of "
+                        f"the selection sequences (default {','.join(map(str, CLIPS))}; 1 = no clipping). "
+                        "Servable: `quantmla serve` writes clipped formats byte for byte")
+    s.add_argument("--token-axis", action="store_true",
+                   help="also try KIVI-style token-axis groups (int4:t64, at no more bytes) per path and layer. "
+                        "NOT servable: the paged engine (`quantmla serve`) refuses token-axis formats; "
+                        "`quantmla eval` runs them through QuantMLACache")
+    s.add_argument("--budget", type=float,
+                   help="cache size as a fraction of BF16's at --context tokens, e.g. 0.27: choose bits and group "
+                        "size per path and layer (bf16, int8/int4/int2 channel groups: all servable) to fit it, "
+                        "by RTN attention-output error, then calibrate for the chosen formats (--content/--rope "
+                        "then only name the section's base formats)")
+    s.add_argument("--context", type=int, default=131072,
+                   help="context length at which --budget is counted (default 131072; the sink + recent window "
+                        "counts as BF16)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16"),
                    help="weight dtype of the written checkpoint (default: the source's)")

@@ -5,7 +5,7 @@ Everything below the CLI receives these objects explicitly; nothing reads flags 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 FORMAT_KINDS = ("bf16", "fp8", "int8", "int4", "int2", "fp4", "lm4", "lm3", "lm2")
 BITS = {"bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2, "fp4": 4, "lm4": 4, "lm3": 3, "lm2": 2}
@@ -17,6 +17,8 @@ CODEBOOK_KINDS = ("lm4", "lm3", "lm2")
 # Tokens per block of a token-axis (KIVI-style) format spelled without a count, e.g. `int4:t`.
 DEFAULT_TOKEN_GROUP = 32
 ROPE_ROTATIONS = ("", "hadamard")
+# Clipping ratios calibration tries per path and layer (`calibrate.space`); 1.0 = none.
+CLIPS = (1.0, 0.95, 0.9, 0.85, 0.8, 0.7, 0.6, 0.5)
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,17 @@ class QuantFormat:
            kinds 0 means one norm per token over the whole path.
     axis:  "channel" (groups of channels within a token) or "token" (integer kinds only, KIVI-style: each
            channel is grouped over `group` consecutive tokens, one scale + zero per channel and block).
-    Spelled on the command line as ``int4`` or ``int4:32`` (kind:group), ``int4:t64`` for the token axis.
+    clip:  integer kinds only: the fraction of each group's range [min, max] the codes span, centred on the
+           range's midpoint (1.0: the whole range, nothing clipped). Values outside clip to the end codes; a
+           smaller step trades clipping error for rounding error (`quant.formats`).
+    Spelled on the command line as ``int4`` or ``int4:32`` (kind:group), ``int4:t64`` for the token axis, and
+    ``c0.9`` appended for a clipping ratio: ``int4c0.9``, ``int4:32c0.9``, ``int4:t64c0.9``.
     """
 
     kind: str
     group: int = -1  # -1: the kind's default
     axis: str = "channel"
+    clip: float = 1.0
 
     def __post_init__(self):
         if self.kind not in FORMAT_KINDS:
@@ -53,6 +60,11 @@ class QuantFormat:
             raise ValueError(f"axis must be 'channel' or 'token', got {self.axis!r}")
         if self.axis == "token" and not self.is_integer:
             raise ValueError(f"{self.kind} cannot group along tokens; only int8/int4/int2 can (e.g. int4:t64)")
+        object.__setattr__(self, "clip", float(self.clip))
+        if not 0 < self.clip <= 1:
+            raise ValueError(f"clipping ratio must be in (0, 1], got {self.clip}")
+        if self.clip != 1 and not self.is_integer:
+            raise ValueError(f"{self.kind} has no clipping ratio; only int8/int4/int2 do (e.g. int4c0.9)")
 
     @property
     def bits(self) -> int:
@@ -66,15 +78,21 @@ class QuantFormat:
     def parse(cls, spec: str | QuantFormat) -> QuantFormat:
         if isinstance(spec, QuantFormat):
             return spec
-        kind, _, group = str(spec).strip().lower().partition(":")
+        # No kind has a "c" in its name, so everything after one is the clipping ratio.
+        base, has_clip, clip_text = str(spec).strip().lower().partition("c")
+        try:
+            clip = float(clip_text) if has_clip else 1.0
+        except ValueError:
+            raise ValueError(f"bad format {spec!r}: expected a clipping ratio after 'c', e.g. int4:32c0.9") from None
+        kind, _, group = base.partition(":")
         if group.startswith("t"):  # token axis: int4:t64 (or int4:t for the default block)
             tokens = group[1:]
             if tokens and not tokens.isdigit():
                 raise ValueError(f"bad format {spec!r}: expected KIND:tTOKENS, e.g. int4:t64")
-            return cls(kind, int(tokens) if tokens else DEFAULT_TOKEN_GROUP, "token")
+            return cls(kind, int(tokens) if tokens else DEFAULT_TOKEN_GROUP, "token", clip)
         if group and not group.isdigit():
             raise ValueError(f"bad format {spec!r}: expected KIND or KIND:GROUP, e.g. int4 or int4:32")
-        return cls(kind, int(group) if group else -1)
+        return cls(kind, int(group) if group else -1, "channel", clip)
 
     def check_dim(self, dim: int, path: str = "cache") -> None:
         """Raise if the group size does not divide the path's width."""
@@ -87,14 +105,15 @@ class QuantFormat:
 
     def fit(self, dim: int) -> QuantFormat:
         """This format for a path of `dim` channels: a group wider than the path becomes the whole path."""
-        return QuantFormat(self.kind, dim) if self.group > dim and self.axis == "channel" else self
+        return QuantFormat(self.kind, dim, clip=self.clip) if self.group > dim and self.axis == "channel" else self
 
     def __str__(self) -> str:
+        clip = "" if self.clip == 1 else f"c{self.clip!r}"
         if self.axis == "token":
-            return f"{self.kind}:t{self.group}"
+            return f"{self.kind}:t{self.group}{clip}"
         if self.kind == "bf16" or self.group == DEFAULT_GROUP[self.kind]:
-            return self.kind
-        return f"{self.kind}:{self.group}"
+            return self.kind + clip
+        return f"{self.kind}:{self.group}{clip}"
 
 
 @dataclass(frozen=True)
@@ -107,6 +126,9 @@ class CacheConfig:
             (QuaRot). A Hadamard does not commute with RoPE, so it cannot be folded into the weights: the
             cache rotates keys before quantizing and rotates back after dequantizing (a kernel would rotate
             the query instead). Protected tokens are not rotated.
+    layers: per-layer formats, one (content, rope) pair per cache index (what a calibration chose layer by
+            layer); empty: every layer uses `content` / `rope`. `at(i)` is layer i's config. Where layers are
+            given, `content` / `rope` name the format the choice started from (reports, tools that read one).
     """
 
     content: QuantFormat = field(default_factory=lambda: QuantFormat("int4"))
@@ -114,10 +136,13 @@ class CacheConfig:
     sink: int = 4
     recent: int = 128
     rope_rotation: str = ""
+    layers: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "content", QuantFormat.parse(self.content))
         object.__setattr__(self, "rope", QuantFormat.parse(self.rope))
+        object.__setattr__(self, "layers", tuple((QuantFormat.parse(c), QuantFormat.parse(r))
+                                                 for c, r in self.layers))
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"sink and recent must be >= 0, got sink={self.sink}, recent={self.recent}")
         kind, _, seed = self.rope_rotation.partition(":")
@@ -125,24 +150,44 @@ class CacheConfig:
             raise ValueError(f"bad rope_rotation {self.rope_rotation!r}: expected '' or 'hadamard[:SEED]'")
 
     def check_dims(self, kv_lora_rank: int, rope_dim: int) -> None:
-        self.content.check_dim(kv_lora_rank, "content")
-        self.rope.check_dim(rope_dim, "rope")
+        for i, (content, rope) in enumerate(((self.content, self.rope), *self.layers)):
+            where = "" if i == 0 else f"layer {i - 1} "
+            content.check_dim(kv_lora_rank, where + "content")
+            rope.check_dim(rope_dim, where + "rope")
+
+    def at(self, layer: int) -> CacheConfig:
+        """Layer `layer`'s config (one format per path). Raises for a layer the per-layer formats lack."""
+        if not self.layers:
+            return self
+        if not 0 <= layer < len(self.layers):
+            raise ValueError(f"this cache config has formats for {len(self.layers)} layers, not for layer {layer}")
+        content, rope = self.layers[layer]
+        return replace(self, content=content, rope=rope, layers=())
+
+    @property
+    def per_layer(self) -> tuple:
+        """(content, rope) of every layer, or of the one shared format pair: [(QuantFormat, QuantFormat)]."""
+        return self.layers or ((self.content, self.rope),)
 
     def fit(self, kv_lora_rank: int, rope_dim: int) -> CacheConfig:
         """The config for a model's dims (small test models have paths narrower than the default groups)."""
         cfg = CacheConfig(self.content.fit(kv_lora_rank), self.rope.fit(rope_dim), self.sink, self.recent,
-                          self.rope_rotation)
+                          self.rope_rotation, tuple((c.fit(kv_lora_rank), r.fit(rope_dim)) for c, r in self.layers))
         cfg.check_dims(kv_lora_rank, rope_dim)
         return cfg
 
     def to_dict(self) -> dict:
         d = {"content": str(self.content), "rope": str(self.rope), "sink": self.sink, "recent": self.recent}
-        return {**d, "rope_rotation": self.rope_rotation} if self.rope_rotation else d
+        if self.rope_rotation:
+            d["rope_rotation"] = self.rope_rotation
+        if self.layers:
+            d["layers"] = [[str(c), str(r)] for c, r in self.layers]
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> CacheConfig:
         return cls(d["content"], d["rope"], int(d.get("sink", 4)), int(d.get("recent", 128)),
-                   d.get("rope_rotation", ""))
+                   d.get("rope_rotation", ""), tuple(tuple(pair) for pair in d.get("layers", ())))
 
     @classmethod
     def bf16(cls) -> CacheConfig:

@@ -8,7 +8,8 @@ Body pools, one `PagedPath` per cache path (content: dim = dc, rope: dim = dr), 
 of `quantmla.quant.formats` (the pool holds `quantize()`'s output, row for row):
   int8/int4/int2  codes uint8   [NB, P, dim*bits/8]   int4: channel 2i low nibble, 2i+1 high nibble of byte i;
                                                       int2: channel 4i+k in bits 2k..2k+1 of byte i
-                  scale fp16    [NB, P, dim/g]        x ~= code * scale + zero
+                  scale fp16    [NB, P, dim/g]        x ~= code * scale + zero (a clipping ratio,
+                                                      QuantFormat.clip, changes only how scale/zero are chosen)
                   zero  fp16    [NB, P, dim/g]
   fp8             codes uint8   [NB, P, dim]          e4m3 bit patterns
                   scale fp32    [NB, P, dim/g]        x ~= e4m3(code) * scale  (g = 0: no scale, 1.0)
@@ -217,10 +218,14 @@ class PagedMLACache:
         """Allocate empty pools. `fill=float('nan')` poisons every slot, so tests catch reads of unused rows.
         `dtype`: of the protected rows and of bf16-format pools (the decode kernel reads bfloat16; an fp32 model
         on the CPU may keep fp32 there, so that an unquantized cache is exactly the model's own)."""
+        if config.layers:
+            raise ValueError("this cache config has per-layer formats; allocate each layer's cache with "
+                             "config.at(layer)")
         config.check_dims(kv_lora_rank, rope_dim)
         for fmt in (config.content, config.rope):
             if fmt.kind not in PAGED_KINDS or getattr(fmt, "axis", "channel") != "channel":
-                raise ValueError(f"the paged cache stores {', '.join(PAGED_KINDS)} grouped along channels, not {fmt}")
+                raise ValueError(f"the paged cache stores {', '.join(PAGED_KINDS)} grouped along channels, not {fmt} "
+                                 "(token-axis formats need per-channel scales per page and BF16 staging; not built)")
         if getattr(config, "rope_rotation", ""):
             raise ValueError(f"the paged cache has no online rotation; {config.rope_rotation!r} would be ignored")
         if block_size <= 0:

@@ -262,7 +262,8 @@ class QuantMLALayer(DynamicLayer):
 class QuantMLACache(Cache):
     """A transformers `Cache` for MLA models holding the content latent and the RoPE key in quantized formats.
 
-    config:     formats of the two paths and the protected tokens (`sink`, `recent`), see CacheConfig.
+    config:     formats of the two paths and the protected tokens (`sink`, `recent`), see CacheConfig; with
+                per-layer formats (`CacheConfig.layers`) layer i stores `config.at(i)`'s.
     num_layers: number of `cache.update` layer indices the model uses (LongCat-Flash: two per decoder layer);
                 None adds layers lazily as they are first updated.
 
@@ -274,7 +275,7 @@ class QuantMLACache(Cache):
     def __init__(self, config: CacheConfig = CacheConfig(), num_layers: int | None = None):
         self.config = config
         self.num_layers = num_layers
-        layers = [] if num_layers is None else [QuantMLALayer(config, i) for i in range(num_layers)]
+        layers = [] if num_layers is None else [QuantMLALayer(config.at(i), i) for i in range(num_layers)]
         super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -283,7 +284,7 @@ class QuantMLACache(Cache):
             raise ValueError(f"QuantMLACache was built for {self.num_layers} layers but got layer_idx={layer_idx} "
                              "(LongCat-Flash uses two per decoder layer); pass num_layers=None to add them lazily")
         while len(self.layers) <= layer_idx:
-            self.layers.append(QuantMLALayer(self.config, len(self.layers)))
+            self.layers.append(QuantMLALayer(self.config.at(len(self.layers)), len(self.layers)))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def memory_bytes(self) -> int:

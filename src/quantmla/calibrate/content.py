@@ -8,16 +8,22 @@ recent window BF16), with Q~(c) = s*gamma * R^T ( Q(s*sigma * R c_hat) / (s*sigm
 quantize in the transformed space, map back, and compare in the original one (the fold makes the two spaces equivalent).
 R is parametrised with torch's orthogonal parametrization (Cayley map: its backward is far cheaper than the
 matrix exponential's at dc = 512), sigma by its logarithm.
-Starting points: identity, and a randomized Hadamard rotation (spreads outlier channels over the group).
+Starting points: identity (RTN), SmoothQuant's migration, and a randomized Hadamard rotation (spreads
+outlier channels over the group); the fit starts from the Hadamard one. The format (clipping ratio, group
+axis) is then chosen among `space.SearchSpace`'s points with the real objective.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 from torch import nn
 from torch.nn.utils.parametrizations import orthogonal
 
-from quantmla.calibrate.search import SearchResult, Splits, search
+from quantmla.calibrate.search import SearchResult, Splits, choose, search
+from quantmla.calibrate.smooth import smooth_scales
+from quantmla.calibrate.space import SearchSpace
 from quantmla.config import CacheConfig
 from quantmla.policy import policy_attention, quantize_body, quantized_keys
 from quantmla.quant.formats import fake_quantize, fake_quantize_ste
@@ -44,56 +50,67 @@ def attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, delta=None, quanti
 
 
 def content_error(batch, gamma, rotation, sigma, cfg: CacheConfig, quant) -> torch.Tensor:
-    """Normalised attention-output error with the content cache quantized through (rotation, sigma), where
-    cfg's serving policy quantizes it."""
-    q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, quantized, ref = batch
+    """Normalised attention-output error with the content cache quantized through (rotation, sigma) in
+    cfg.content, where cfg's serving policy quantizes it."""
+    q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, ref = batch
+    quantized = quantized_keys(q_pos.to(c.device), c.shape[1], cfg, cfg.content).float()
     c_t = ((c / gamma) @ rotation.T) * sigma
     c_q = ((quantize_body(c_t, cfg.content, cfg.sink, quant) / sigma) @ rotation) * gamma
     out = attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, c_q - c, quantized)
     return (out - ref).pow(2).sum() / ref.pow(2).sum()
 
 
-def _data(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos, cfg: CacheConfig, sl=slice(None)) -> tuple:
+def _data(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos, sl=slice(None)) -> tuple:
     """The batch content_error reads, for the sequences sl."""
-    quantized = quantized_keys(q_pos.to(c.device), c.shape[1], cfg, cfg.content).float()
     ref = attention_heads(q_abs[sl], q_pe[sl], c[sl], k_pe[sl], w_uv, softmax_scale, q_pos)
-    return q_abs[sl], q_pe[sl], c[sl], k_pe[sl], w_uv, softmax_scale, q_pos, quantized, ref
+    return q_abs[sl], q_pe[sl], c[sl], k_pe[sl], w_uv, softmax_scale, q_pos, ref
 
 
 def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, cfg: CacheConfig,
-                      steps: int = 100, seed: int = 0, splits: Splits | None = None
-                      ) -> tuple[ContentTransform, SearchResult]:
+                      steps: int = 100, seed: int = 0, splits: Splits | None = None,
+                      space: SearchSpace | None = None) -> tuple[ContentTransform, SearchResult]:
     """q_abs [B, H, Tq, dc] absorbed queries and q_pe [B, H, Tq, dr] at positions q_pos [Tq]; c [B, S, dc] and
     k_pe [B, S, dr] the cache; w_uv [H, dv, dc]; gamma [dc] = latent scale * kv_a_layernorm weight (c = gamma *
     c_hat); cfg: the content format and the serving policy (which keys each query sees quantized). Sequences
-    are split by `splits` (default Splits.of(B)); the result's `report` holds the identity's and the
-    calibrated transform's true objective on the report sequences. Returns the transform to fold, with sigma
-    expressed for the fold (the cache holds sigma * R c_hat times the latent scale)."""
+    are split by `splits` (default Splits.of(B)). The transform is fitted for cfg.content; then every
+    (transform, format) point of `space` (default: cfg.content only) is scored on the selection sequences
+    (`space` module docstring) and the best kept: the result's `format` and `params`. Its `report` holds the
+    true objective on the report sequences of "identity" (RTN at cfg.content), "smoothquant" and
+    "calibrated" (the chosen point). Returns the transform to fold, with sigma expressed for the fold (the
+    cache holds sigma * R c_hat times the latent scale)."""
     g = torch.Generator().manual_seed(seed)
     q_abs, q_pe, c, k_pe, w_uv, gamma = (t.detach().float() for t in (q_abs, q_pe, c, k_pe, w_uv, gamma))
     splits = splits or Splits.of(c.shape[0])
-    fit, select, report = (_data(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos, cfg, sl)
+    fit, select, report = (_data(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos, sl)
                            for sl in (splits.fit, splits.select, splits.report))
     dc = c.shape[-1]
     hadamard = random_hadamard(dc, g).to(c.device)
     c_rot_rms = ((c[splits.fit] / gamma) @ hadamard.T).pow(2).mean(dim=(0, 1)).sqrt()
+    # SmoothQuant (eval.baselines.smoothquant) on the fit sequences: c' = c * m, the signs of gamma as a
+    # diagonal rotation (sigma must be > 0).
+    m = smooth_scales(c[splits.fit].abs().amax((0, 1)), q_abs[splits.fit].abs().amax((0, 1, 2))).float()
     starts = {
         # identity: the cache unchanged (sigma = gamma keeps c' = c)
         "identity": {"rotation": torch.eye(dc, device=c.device), "log_sigma": torch.log(gamma.abs().clamp_min(1e-6))},
+        "smoothquant": {"rotation": torch.diag(torch.where(gamma < 0, -1.0, 1.0)),
+                        "log_sigma": torch.log((gamma.abs() * m).clamp_min(1e-12))},
         "hadamard": {"rotation": hadamard, "log_sigma": -torch.log(c_rot_rms.clamp_min(1e-6))},
     }
+    if (gamma < 0).any():  # identity's sigma must be gamma itself: with negative entries use R = diag(sign)
+        starts["identity"]["rotation"] = starts["smoothquant"]["rotation"].clone()
     # R is optimised through torch's orthogonal parametrization, starting at the Hadamard rotation.
     lin = orthogonal(nn.Linear(dc, dc, bias=False, device=c.device), orthogonal_map="cayley")
     with torch.no_grad():
         lin.weight = hadamard
     log_sigma = starts["hadamard"]["log_sigma"].clone().requires_grad_(True)
 
-    def error(p, data, quant):
-        return content_error(data, gamma, p["rotation"], torch.exp(p["log_sigma"]), cfg, quant)
+    def error(p, data, quant, fmt=cfg.content):
+        return content_error(data, gamma, p["rotation"], torch.exp(p["log_sigma"]), replace(cfg, content=fmt),
+                             quant)
 
-    def true(p, data):
+    def true(p, data, fmt=cfg.content):
         with torch.no_grad():
-            return float(error(p, data, fake_quantize))
+            return float(error(p, data, fake_quantize, fmt))
 
     res = search(
         starts,
@@ -103,16 +120,21 @@ def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, c
         param_groups=[{"params": list(lin.parameters()), "lr": 2e-3}, {"params": [log_sigma], "lr": 1e-2}],
         steps=steps,
     )
-    res.report = {"identity": true(starts["identity"], report), "calibrated": true(res.params, report)}
+    points = {"identity": starts["identity"], "smoothquant": starts["smoothquant"], "calibrated": res.params}
+    formats = (space or SearchSpace(clips=())).formats(cfg.content, dc)
+    name, res.format, res.points = choose(points, formats, lambda p, fmt: true(p, select, fmt))
+    res.params, res.best = points[name], res.points[f"{name}@{res.format}"]
+    res.report = {"identity": true(starts["identity"], report), "smoothquant": true(starts["smoothquant"], report),
+                  "calibrated": true(res.params, report, res.format)}
     return ContentTransform(res.params["rotation"].double().cpu(), torch.exp(res.params["log_sigma"]).cpu()), res
 
 
 def content_objective(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, cfg: CacheConfig,
                       t: ContentTransform) -> float:
-    """The true objective of a given transform (real quantization, cfg's serving policy) on all the given
-    sequences, e.g. to compare with the identity."""
+    """The true objective of a given transform (real quantization in cfg.content, cfg's serving policy) on
+    all the given sequences, e.g. to compare with the identity."""
     q_abs, q_pe, c, k_pe, w_uv, gamma = (x.detach().float() for x in (q_abs, q_pe, c, k_pe, w_uv, gamma))
-    data = _data(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos, cfg)
+    data = _data(q_abs, q_pe, c, k_pe, w_uv, softmax_scale, q_pos)
     with torch.no_grad():
         return float(content_error(data, gamma, t.rotation.float().to(c.device), t.scale.float().to(c.device),
                                    cfg, fake_quantize))

@@ -12,7 +12,7 @@ needs around it: `calibrate_model`'s `before_layer` / `after_layer` hooks, which
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -21,7 +21,8 @@ from quantmla.calibrate.content import calibrate_content
 from quantmla.capture import attention_hooks
 from quantmla.calibrate.rope import calibrate_rope
 from quantmla.calibrate.search import Splits
-from quantmla.config import CacheConfig
+from quantmla.calibrate.space import SearchSpace
+from quantmla.config import CacheConfig, QuantFormat
 from quantmla.mla import absorb_queries, project_cache, project_queries, split_kv_b
 from quantmla.models.adapters import MLALayer, attention_module
 from quantmla.policy import query_positions
@@ -31,7 +32,9 @@ from quantmla.transforms import ContentTransform, RopeTransform, fold_content, f
 @dataclass
 class LayerReport:
     """True objectives (real quantization, the serving policy) on the report sequences, which neither fit
-    nor select the transform; `*_select` is the winner's value on the selection sequences."""
+    nor select the transform: `*_identity` is RTN at the requested format, `*_smoothquant` SmoothQuant's
+    migration there, `*_best` the chosen point (transform + `*_format`); `*_select` is the winner's value on
+    the selection sequences, `points` every scored point's there."""
 
     layer: int
     module: str
@@ -41,7 +44,12 @@ class LayerReport:
     rope_best: float | None = None
     content_select: float | None = None
     rope_select: float | None = None
+    content_smoothquant: float | None = None
+    rope_smoothquant: float | None = None
+    content_format: str | None = None  # the chosen format (None: the path is bf16)
+    rope_format: str | None = None
     history: dict = field(default_factory=dict)  # path -> [(step, surrogate on fit, true on select)]
+    points: dict = field(default_factory=dict)  # path -> {"transform@format": true objective on select}
 
 
 class _Stop(Exception):
@@ -83,7 +91,7 @@ CALIBRATED_KINDS = ("bf16", "int8", "int4", "int2")
 
 def check_calibratable(cfg: CacheConfig) -> None:
     """Raise for a format calibration has no honest surrogate for (fp8, fp4, the codebooks)."""
-    for path, fmt in (("content", cfg.content), ("rope", cfg.rope)):
+    for path, fmt in ((p, f) for pair in cfg.per_layer for p, f in zip(("content", "rope"), pair)):
         if fmt.kind not in CALIBRATED_KINDS:
             raise ValueError(f"quantmla calibrates integer formats (int8, int4, int2, channel or token groups) "
                              f"and bf16; {path} {fmt} has no calibration surrogate yet (its gradient would "
@@ -91,10 +99,11 @@ def check_calibratable(cfg: CacheConfig) -> None:
 
 
 def calibrate_attention(attn, layer: MLALayer, hidden, position_embeddings, cfg: CacheConfig, steps: int,
-                        seed: int, n_queries: int = 64) -> tuple[ContentTransform | None, RopeTransform | None,
-                                                                 LayerReport]:
+                        seed: int, n_queries: int = 64, space: SearchSpace | None = None
+                        ) -> tuple[ContentTransform | None, RopeTransform | None, LayerReport]:
     """Fit both transforms of one attention from its inputs hidden [B, T, hidden] (does not fold them), for
-    queries where cfg's serving policy shows them a quantized region (`policy.query_positions`)."""
+    queries where cfg's serving policy shows them a quantized region (`policy.query_positions`), and choose
+    each path's format among `space`'s points (default: cfg's formats only). cfg: this layer's formats."""
     q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
     c, k_pe = project_cache(attn, layer, hidden, position_embeddings)
     pos = query_positions(hidden.shape[1], cfg, n_queries)
@@ -106,24 +115,47 @@ def calibrate_attention(attn, layer: MLALayer, hidden, position_embeddings, cfg:
         gamma = attn.kv_a_layernorm.weight.float() * layer.latent_scale
         with torch.enable_grad():
             content, res = calibrate_content(absorb_queries(q_nope.float(), w_uk.float()), q_pe, c, k_pe, w_uv,
-                                             gamma, layer.softmax_scale, pos, cfg, steps, seed)
+                                             gamma, layer.softmax_scale, pos, cfg, steps, seed, space=space)
         # The fold sets kv_a_layernorm.weight = sigma and the model multiplies by the latent scale after it.
         content.scale = content.scale / layer.latent_scale
-        report.content_identity, report.content_best = res.report["identity"], res.report["calibrated"]
-        report.content_select, report.history["content"] = res.best, res.history
+        _record(report, "content", res)
     if cfg.rope.kind != "bf16":
         with torch.enable_grad():
-            rope, res = calibrate_rope(q_pe, k_pe, pos, layer.cache_pairs, cfg, steps, seed)
-        report.rope_identity, report.rope_best = res.report["identity"], res.report["calibrated"]
-        report.rope_select, report.history["rope"] = res.best, res.history
+            rope, res = calibrate_rope(q_pe, k_pe, pos, layer.cache_pairs, cfg, steps, seed, space=space)
+        _record(report, "rope", res)
     return content, rope, report
+
+
+def _record(report: LayerReport, path: str, res) -> None:
+    for key, name in (("identity", "identity"), ("best", "calibrated"), ("smoothquant", "smoothquant")):
+        setattr(report, f"{path}_{key}", res.report[name])
+    setattr(report, f"{path}_select", res.best)
+    setattr(report, f"{path}_format", str(res.format))
+    report.history[path], report.points[path] = res.history, res.points
+
+
+def chosen_config(cfg: CacheConfig, reports: list[LayerReport]) -> CacheConfig:
+    """cfg with the formats the calibration chose, per layer (CacheConfig.layers, by cache index; cfg itself
+    where every layer kept cfg's formats). cfg.content / cfg.rope stay the formats asked for. A bf16 path
+    stays bf16."""
+    reports = sorted(reports, key=lambda r: r.layer)
+    pairs = tuple((QuantFormat.parse(r.content_format or c), QuantFormat.parse(r.rope_format or p))
+                  for r, (c, p) in zip(reports, (cfg.at(r.layer).per_layer[0] for r in reports)))
+    if all(pair == cfg.at(r.layer).per_layer[0] for r, pair in zip(reports, pairs)):
+        return cfg
+    return replace(cfg, layers=pairs)
 
 
 @torch.no_grad()
 def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: CacheConfig, steps: int = 100,
                     seed: int = 0, progress: bool = True, before_layer=None,
-                    after_layer=None) -> list[LayerReport]:
+                    after_layer=None, space: SearchSpace | None = None) -> list[LayerReport]:
     """Calibrate and fold every MLA attention of `model` in place, one decoder layer at a time.
+
+    cfg: the formats asked for (per layer where cfg.layers is set) and the serving policy; each path's
+    format is then chosen among `space`'s points (default `SearchSpace()`: the clipping ratios, servable;
+    see `space`), and the reports name what was chosen: `chosen_config(cfg, reports)` is the config to serve
+    the result with (`export.save_calibrated` writes it).
 
     input_ids [N, T]: calibration sequences, N >= 3, split by `search.Splits.of(N)` into fit / select /
     report; T > cfg.sink + cfg.recent, so that queries see quantized keys (longer is closer to serving).
@@ -136,6 +168,7 @@ def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg:
     query_positions(input_ids.shape[1], cfg, 1)
     hidden, kwargs = _first_layer_inputs(model, input_ids.to(next(model.parameters()).device))
     prefix = layers[0].module.split(".layers.")[0] + ".layers."
+    space = SearchSpace() if space is None else space
     reports = []
     bar = tqdm(list(enumerate(decoder_layers(model))), desc="calibrating layers", disable=not progress)
     for i, block in bar:
@@ -148,8 +181,9 @@ def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg:
         for l in mine:
             attn = attention_module(model, l)
             k = seen[l.cache_idx]
-            content, rope, report = calibrate_attention(attn, l, k.hidden, k.position_embeddings, cfg, steps,
-                                                        seed + l.cache_idx)
+            content, rope, report = calibrate_attention(attn, l, k.hidden, k.position_embeddings,
+                                                        cfg.at(l.cache_idx), steps, seed + l.cache_idx,
+                                                        space=space)
             if content is not None:
                 fold_content(attn, l, content)
             if rope is not None:

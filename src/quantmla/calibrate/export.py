@@ -4,6 +4,7 @@ The result is a plain Hugging Face checkpoint: `AutoModelForCausalLM.from_pretra
 BF16 cache, computes the original model's function (the folds are exact). quantmla reads the section to
 configure its cache:
     "quantmla": {"method": "quantmla", "content": "int4", "rope": "int4", "sink": 4, "recent": 128,
+                 "layers": [["int4c0.9", "int4"], ...],   # only where the chosen formats differ by layer
                  "calibration": {"samples": .., "length": .., "steps": .., "seed": .., "source": ..}}
 """
 
@@ -26,13 +27,23 @@ _COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "
 
 def save_calibrated(model, out_dir: str | Path, cfg: CacheConfig, calibration: dict, reports=(),
                     source_dir: str | Path | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write the folded `model` with a quantmla section: cfg with the formats `reports` chose
+    (`driver.chosen_config`; cfg as given without reports)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    setattr(model.config, SECTION, {"method": "quantmla", **cfg.to_dict(), "calibration": calibration})
+    setattr(model.config, SECTION, section(cfg, calibration, reports))
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(out_dir)
     return finish_checkpoint(out_dir, reports, source_dir)
+
+
+def section(cfg: CacheConfig, calibration: dict, reports=()) -> dict:
+    """The config.json section: the cache config to serve with (the chosen formats) and how it was made."""
+    from quantmla.calibrate.driver import chosen_config  # the driver imports the objectives; export stays light
+
+    return {"method": "quantmla", **(chosen_config(cfg, reports) if reports else cfg).to_dict(),
+            "calibration": calibration}
 
 
 def finish_checkpoint(out_dir: Path, reports=(), source_dir: str | Path | None = None) -> Path:

@@ -4,15 +4,21 @@ Objective, in cache coordinates with k' = M k and q' = M^-T q:
     E_(t, u) ( q'(t) . (Q(k'(u)) - k'(u)) )^2  /  E_(t, u) ( q(t) . k(u) )^2
 over the pairs (t, u) where the serving policy holds key u quantized for query t (`policy`).
 Only the positional part of the scores sees RoPE-cache error, so this bounds what reaches the output.
-Starting points: identity, and alpha_j = 1 / (pair j's magnitude) — the optimum of the rounding-noise model
-for one group per token, which equalises the pairs' ranges so no pair wastes the shared step size.
+Starting points: identity (RTN), SmoothQuant's tied pair scales, and alpha_j = 1 / (pair j's magnitude) —
+the optimum of the rounding-noise model for one group per token, which equalises the pairs' ranges so no pair
+wastes the shared step size; the fit starts from the last. The format (clipping ratio, group axis) is then
+chosen among `space.SearchSpace`'s points with the real objective.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
-from quantmla.calibrate.search import SearchResult, Splits, search
+from quantmla.calibrate.search import SearchResult, Splits, choose, search
+from quantmla.calibrate.smooth import smooth_scales
+from quantmla.calibrate.space import SearchSpace
 from quantmla.config import CacheConfig
 from quantmla.policy import quantize_body, quantized_keys
 from quantmla.quant.formats import fake_quantize, fake_quantize_ste
@@ -41,10 +47,13 @@ def _mats(log_scale: torch.Tensor, angle: torch.Tensor) -> tuple[torch.Tensor, t
     return rot * scale[:, None, None], rot / scale[:, None, None]
 
 
-def qk_error(q: torch.Tensor, k: torch.Tensor, pairs, params: dict, cfg: CacheConfig, quantized: torch.Tensor,
-             quant) -> torch.Tensor:
+def qk_error(q: torch.Tensor, k: torch.Tensor, pairs, params: dict, cfg: CacheConfig, quantized: torch.Tensor | None,
+             quant, q_pos: torch.Tensor | None = None) -> torch.Tensor:
     """Normalised positional score error over the (query, key) pairs `quantized` [Tq, S] marks (where cfg's
-    serving policy holds the key quantized). q [B, H, Tq, dr]; k [B, S, dr]."""
+    serving policy holds the key quantized; None: computed from q_pos [Tq] for cfg.rope). q [B, H, Tq, dr];
+    k [B, S, dr]."""
+    if quantized is None:
+        quantized = quantized_keys(q_pos.to(k.device), k.shape[1], cfg, cfg.rope).float()
     idx = _pair_index(pairs, k.device)
     m, m_inv_t = _mats(params["log_scale"], params["angle"])
     kt, qt = transform_pairs(k, m, idx), transform_pairs(q, m_inv_t, idx)
@@ -54,16 +63,24 @@ def qk_error(q: torch.Tensor, k: torch.Tensor, pairs, params: dict, cfg: CacheCo
 
 
 def calibrate_rope(q_pe, k_pe, q_pos, pairs, cfg: CacheConfig, steps: int = 100, seed: int = 0,
-                   splits: Splits | None = None) -> tuple[RopeTransform, SearchResult]:
+                   splits: Splits | None = None, space: SearchSpace | None = None
+                   ) -> tuple[RopeTransform, SearchResult]:
     """q_pe [B, H, Tq, dr] post-RoPE queries at positions q_pos [Tq]; k_pe [B, S, dr] the cached keys; cfg: the
-    RoPE format and the serving policy. Sequences are split by `splits` (default Splits.of(B)); the result's
-    `report` holds the identity's and the calibrated transform's true objective on the report sequences."""
+    RoPE format and the serving policy. Sequences are split by `splits` (default Splits.of(B)). The
+    transform is fitted for cfg.rope; then every (transform, format) point of `space` (default: cfg.rope
+    only) is scored on the selection sequences and the best kept (`format`, `params`). The result's `report`
+    holds the true objective on the report sequences of "identity" (RTN at cfg.rope), "smoothquant" and
+    "calibrated" (the chosen point)."""
     q_pe, k_pe = q_pe.detach().float(), k_pe.detach().float()
     splits = splits or Splits.of(q_pe.shape[0])
-    quantized = quantized_keys(q_pos.to(k_pe.device), k_pe.shape[1], cfg, cfg.rope).float()
-    mag = k_pe[splits.fit][..., _pair_index(pairs, k_pe.device)].pow(2).sum(-1).mean(dim=(0, 1)).sqrt()  # [P]
+    idx = _pair_index(pairs, k_pe.device)
+    mag = k_pe[splits.fit][..., idx].pow(2).sum(-1).mean(dim=(0, 1)).sqrt()  # [P]
+    # SmoothQuant (eval.baselines.smoothquant): a tied scale per pair from the pairs' largest magnitudes.
+    alpha = smooth_scales(k_pe[splits.fit][..., idx].norm(dim=-1).amax((0, 1)),
+                          q_pe[splits.fit][..., idx].norm(dim=-1).amax((0, 1, 2))).float()
     starts = {
         "identity": {"log_scale": torch.zeros_like(mag), "angle": torch.zeros_like(mag)},
+        "smoothquant": {"log_scale": torch.log(alpha), "angle": torch.zeros_like(mag)},
         "equalised": {"log_scale": -torch.log(mag.clamp_min(1e-6)), "angle": torch.zeros_like(mag)},
     }
     log_scale = starts["equalised"]["log_scale"].clone().requires_grad_(True)
@@ -71,12 +88,12 @@ def calibrate_rope(q_pe, k_pe, q_pos, pairs, cfg: CacheConfig, steps: int = 100,
     angle = 0.01 * torch.randn(mag.shape, generator=torch.Generator().manual_seed(seed))
     angle = angle.to(mag.device).requires_grad_(True)
 
-    def error(p, sl, quant):
-        return qk_error(q_pe[sl], k_pe[sl], pairs, p, cfg, quantized, quant)
+    def error(p, sl, quant, fmt=cfg.rope):
+        return qk_error(q_pe[sl], k_pe[sl], pairs, p, replace(cfg, rope=fmt), None, quant, q_pos)
 
-    def true(p, sl):
+    def true(p, sl, fmt=cfg.rope):
         with torch.no_grad():
-            return float(error(p, sl, fake_quantize))
+            return float(error(p, sl, fake_quantize, fmt))
 
     res = search(
         starts,
@@ -86,7 +103,13 @@ def calibrate_rope(q_pe, k_pe, q_pos, pairs, cfg: CacheConfig, steps: int = 100,
         param_groups=[{"params": [log_scale], "lr": 0.02}, {"params": [angle], "lr": 0.02}],
         steps=steps,
     )
-    res.report = {"identity": true(starts["identity"], splits.report), "calibrated": true(res.params, splits.report)}
+    points = {"identity": starts["identity"], "smoothquant": starts["smoothquant"], "calibrated": res.params}
+    formats = (space or SearchSpace(clips=())).formats(cfg.rope, k_pe.shape[-1])
+    name, res.format, res.points = choose(points, formats, lambda p, fmt: true(p, splits.select, fmt))
+    res.params, res.best = points[name], res.points[f"{name}@{res.format}"]
+    res.report = {"identity": true(starts["identity"], splits.report),
+                  "smoothquant": true(starts["smoothquant"], splits.report),
+                  "calibrated": true(res.params, splits.report, res.format)}
     p = res.params
     scale = torch.exp(p["log_scale"] - p["log_scale"].mean())
     return RopeTransform(p["angle"].cpu(), scale.cpu()), res

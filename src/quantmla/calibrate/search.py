@@ -23,7 +23,9 @@ class SearchResult:
     best: float  # true objective of the best params (selection sequences)
     start: dict  # start name -> true objective (selection sequences)
     history: list = field(default_factory=list)  # (step, surrogate loss on fit, true objective on select)
-    report: dict = field(default_factory=dict)  # "identity" / "calibrated" -> true objective (report sequences)
+    report: dict = field(default_factory=dict)  # point name -> true objective (report sequences)
+    format: object = None  # the QuantFormat chosen with params (`choose`)
+    points: dict = field(default_factory=dict)  # "transform@format" -> true objective (selection sequences)
 
 
 def _detached(p: dict) -> dict:
@@ -76,3 +78,18 @@ class Splits:
             raise ValueError(f"need at least 3 calibration sequences (fit / select / report), got {n}")
         held = max(1, n // 4)
         return cls(slice(0, n - 2 * held), slice(n - 2 * held, n - held), slice(n - held, n))
+
+
+def choose(transforms: dict[str, dict], formats: list, objective: Callable[[dict, object], float]
+           ) -> tuple[str, object, dict[str, float]]:
+    """Score every (transform, format) point with `objective(params, fmt)` (the true objective on the
+    selection sequences) and return (transform name, format, all scores by "name@format"). Ties keep the
+    earlier point (formats are listed cheapest-to-explain first: the requested one, unclipped)."""
+    scores, best = {}, None
+    for fmt in formats:
+        for name, params in transforms.items():
+            v = objective(params, fmt)
+            scores[f"{name}@{fmt}"] = v
+            if best is None or v < best[0]:
+                best = (v, name, fmt)
+    return best[1], best[2], scores

@@ -31,7 +31,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from quantmla.calibrate.driver import calibrate_model
-from quantmla.calibrate.export import SECTION, finish_checkpoint
+from quantmla.calibrate.space import SearchSpace
+from quantmla.calibrate.export import SECTION, finish_checkpoint, section
 from quantmla.config import CacheConfig
 from quantmla.models.adapters import check_checkpoint_dir, describe
 
@@ -146,7 +147,8 @@ class StreamingResult:
 
 def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: torch.Tensor, cfg: CacheConfig,
                         steps: int = 100, seed: int = 0, dtype: torch.dtype | None = None,
-                        calibration: dict | None = None, progress: bool = True) -> StreamingResult:
+                        calibration: dict | None = None, progress: bool = True,
+                        space: SearchSpace | None = None) -> StreamingResult:
     """Calibrate and fold the checkpoint in `model_dir` one decoder layer at a time, writing a fused checkpoint
     to `out_dir` (weights in `dtype`, default the source's) without ever holding all its weights.
 
@@ -210,12 +212,12 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
         block.to("meta")  # free the layer's weights
 
     reports = calibrate_model(model, layers, input_ids, cfg, steps, seed, progress, before_layer=before,
-                              after_layer=after)
+                              after_layer=after, space=space)
     total = sum((out_dir / f).stat().st_size for f in files)
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
     cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
-    setattr(model.config, SECTION, {"method": "quantmla", **cfg.to_dict(), "calibration": calibration or {}})
+    setattr(model.config, SECTION, section(cfg, calibration or {}, reports))
     model.config.dtype = dtype
     model.config.save_pretrained(out_dir)
     if getattr(model, "generation_config", None) is not None and model.can_generate():

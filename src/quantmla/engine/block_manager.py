@@ -38,7 +38,7 @@ class PoolLayout:
         """dtype: of the unquantized rows (see `PagedMLACache.allocate`)."""
         page = slot = 0
         for layer in layers:
-            cfg = config.fit(layer.kv_lora_rank, layer.rope_dim)
+            cfg = config.at(layer.cache_idx).fit(layer.kv_lora_rank, layer.rope_dim)  # per-layer formats
             probe = PagedMLACache.allocate(cfg, layer.kv_lora_rank, layer.rope_dim, 1, 1, block_size, "meta",
                                            dtype=dtype)  # fmt: skip
             page += probe.body_bytes_per_token * block_size

@@ -61,9 +61,9 @@ class ModelRunner:
         store_dtype = storage_dtype(next(model.parameters()).dtype, self.device)
         self.caches: list[PagedMLACache] = []
         for layer in layers:
-            cache = PagedMLACache.allocate(config.fit(layer.kv_lora_rank, layer.rope_dim), layer.kv_lora_rank,
-                                           layer.rope_dim, num_blocks + 1, max_num_seqs + 1, block_size,
-                                           self.device, dtype=store_dtype)  # fmt: skip
+            cache = PagedMLACache.allocate(config.at(layer.cache_idx).fit(layer.kv_lora_rank, layer.rope_dim),
+                                           layer.kv_lora_rank, layer.rope_dim, num_blocks + 1, max_num_seqs + 1,
+                                           block_size, self.device, dtype=store_dtype)  # fmt: skip
             model.set_submodule(layer.module, PagedAttention(attention_module(model, layer), layer, cache, self.step))
             self.caches.append(cache)
         self._attn_implementation = model.config._attn_implementation

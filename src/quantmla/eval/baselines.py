@@ -21,7 +21,10 @@ so that in the accuracy table only the quantizer differs.
                RoPE a tied scale per pair (the only scaling that commutes with RoPE) from the pairs' maximal
                magnitudes; both folded. Statistics from the built-in calibration text. Formats as rtn.
   quantmla     our method: a checkpoint with a `quantmla` section (from `quantmla calibrate`) is used as is;
-               any other is calibrated first (calibrate.driver.calibrate_model on a copy; says so on stdout).
+               any other is calibrated first (calibrate.driver.calibrate_model on a copy; says so on stdout),
+               with the default (servable) search space: transforms x clipping ratios.
+  quantmla-t   the same with token-axis (KIVI-style) points in the search too: not servable by the paged
+               engine; it measures what serving token-axis groups would add.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ from torch import nn
 
 from quantmla.calibrate.content import random_hadamard
 from quantmla.calibrate.export import SECTION
+from quantmla.calibrate.smooth import smooth_scales
 from quantmla.config import CODEBOOK_KINDS, CacheConfig, QuantFormat
 from quantmla.data import encode, read_text, token_windows, tokenizer_for
 from quantmla.mla import absorb_queries, project_cache, project_queries, split_kv_b
@@ -44,7 +48,6 @@ from quantmla.transforms import ContentTransform, RopeTransform, fold_content, f
 
 SINK, RECENT = 4, 128
 KIVI_TOKENS = 64
-SMOOTH_ALPHA = 0.5
 ROTATION_SEED = 0
 
 
@@ -171,14 +174,6 @@ def activation_maxima(model: nn.Module, layers: list[MLALayer], ids: torch.Tenso
     return stats
 
 
-def smooth_scales(act_max: torch.Tensor, query_max: torch.Tensor, alpha: float = SMOOTH_ALPHA) -> torch.Tensor:
-    """SmoothQuant's migration: multiply channel j by max|x_j|^-alpha max|w_j|^alpha; geometric mean 1
-    (integer formats ignore a common factor; this keeps magnitudes where they were)."""
-    floor = lambda t: t.double().clamp_min(1e-6 * t.max().item() + 1e-30)  # noqa: E731 - dead channels
-    log = alpha * (torch.log(floor(query_max)) - torch.log(floor(act_max)))
-    return torch.exp(log - log.mean())
-
-
 def smoothquant(model: nn.Module, args, samples: int = 4, length: int = 512) -> tuple[nn.Module, CacheConfig]:
     config = _cache(args, args.content or "int4", args.rope or "int4")
     layers = describe(model)
@@ -208,6 +203,7 @@ class Calibration:
     length: int = 512
     steps: int = 100
     seed: int = 0
+    token_axis: bool = False  # also search KIVI-style token-axis groups (not servable by the paged engine)
 
 
 def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -> tuple[nn.Module, CacheConfig]:
@@ -221,7 +217,8 @@ def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -
                                  f"--{path} {given} needs a calibration of the original checkpoint")
         return model, replace(config, sink=config.sink if args.sink is None else args.sink,
                               recent=config.recent if args.recent is None else args.recent)
-    from quantmla.calibrate.driver import calibrate_model
+    from quantmla.calibrate.driver import calibrate_model, chosen_config
+    from quantmla.calibrate.space import SearchSpace
 
     config = _cache(args, args.content or "int4", args.rope or "int4")
     ids = calibration_ids(model, calibration.samples, calibration.length)
@@ -233,9 +230,16 @@ def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -
           "steps per path (save a calibrated checkpoint with `quantmla calibrate` to skip this)", flush=True)
     model = copy.deepcopy(model)
     torch.manual_seed(calibration.seed)
-    calibrate_model(model, describe(model), ids, config, calibration.steps, calibration.seed)
-    return model, config
+    layers = describe(model)
+    reports = calibrate_model(model, layers, ids, config, calibration.steps, calibration.seed,
+                              space=SearchSpace(token_axis=calibration.token_axis))
+    return model, chosen_config(config.fit(layers[0].kv_lora_rank, layers[0].rope_dim), reports)
+
+
+def quantmla_token_axis(model: nn.Module, args) -> tuple[nn.Module, CacheConfig]:
+    """quantmla whose search also has token-axis (KIVI-style) points: what they would add if served."""
+    return quantmla(model, args, Calibration(token_axis=True))
 
 
 BASELINES = {"fp4": fp4, "turboquant": turboquant, "kivi": kivi, "quarot": quarot, "smoothquant": smoothquant,
-             "quantmla": quantmla}
+             "quantmla": quantmla, "quantmla-t": quantmla_token_axis}

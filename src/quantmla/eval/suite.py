@@ -68,9 +68,10 @@ class EvalResult:
     sink: int
     recent: int
     bytes_per_token: float  # measured, per layer, at `bytes_length` tokens (protected tokens included)
-    bytes_per_token_body: int  # formula: one quantized token, content + rope, per layer
+    bytes_per_token_body: float  # formula: one quantized token, content + rope, per layer (mean over layers)
     bytes_per_token_bf16: int
     bytes_length: int
+    bytes_per_token_long: float = 0.0  # measured as bytes_per_token, at LONG_CONTEXT tokens
     ppl: float | None = None
     ppl_bf16: float | None = None
     kl: float | None = None
@@ -82,16 +83,38 @@ class EvalResult:
     def to_dict(self) -> dict:
         d = asdict(self)
         d["percent_of_bf16"] = 100 * self.bytes_per_token / self.bytes_per_token_bf16
+        d["percent_of_bf16_long"] = 100 * self.bytes_per_token_long / self.bytes_per_token_bf16
         return d
+
+
+LONG_CONTEXT = 131072  # the context at which tables also give the bytes (what a quantized cache saves)
 
 
 def measure_bytes_per_token(config: CacheConfig, kv_lora_rank: int, rope_dim: int, length: int) -> float:
     """Bytes per token per layer that QuantMLACache really holds after `length` BF16 tokens (the serving
-    dtype; the evaluation itself may run in fp32), read from memory_bytes(): sink + body + recent."""
-    cache = QuantMLACache(config)
-    cache.update(torch.randn(1, 1, length, kv_lora_rank, dtype=torch.bfloat16),
-                 torch.randn(1, 1, length, rope_dim, dtype=torch.bfloat16), 0)
-    return cache.memory_bytes() / length
+    dtype; the evaluation itself may run in fp32), read from memory_bytes(): sink + body + staging + recent;
+    with per-layer formats the mean over layers (each distinct format pair measured once)."""
+    pairs = config.per_layer
+    measured = {}
+    for pair in dict.fromkeys(pairs):
+        cache = QuantMLACache(CacheConfig(*pair, config.sink, config.recent, config.rope_rotation))
+        # The bytes do not depend on the values: zeros are quicker to make than random tokens at 128 K.
+        cache.update(torch.zeros(1, 1, length, kv_lora_rank, dtype=torch.bfloat16),
+                     torch.zeros(1, 1, length, rope_dim, dtype=torch.bfloat16), 0)
+        measured[pair] = cache.memory_bytes() / length
+    return sum(measured[p] for p in pairs) / len(pairs)
+
+
+def body_bytes_per_token(config: CacheConfig, kv_lora_rank: int, rope_dim: int) -> float:
+    """One quantized token, content + rope, per layer by the formula (mean over layers)."""
+    pairs = config.per_layer
+    return sum(bytes_per_token(c, kv_lora_rank) + bytes_per_token(r, rope_dim) for c, r in pairs) / len(pairs)
+
+
+def _formats(config: CacheConfig, path: int) -> str:
+    """A path's format, or its per-layer formats joined by '|' where the layers differ."""
+    names = [str(pair[path]) for pair in config.per_layer]
+    return names[0] if len(set(names)) == 1 else "|".join(names)
 
 
 def check_lengths(model, settings: EvalSettings) -> None:
@@ -119,10 +142,11 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
     dc, dr = layer.kv_lora_rank, layer.rope_dim
     longest = max(settings.lengths)
     result = EvalResult(
-        method=method, content=str(config.content), rope=str(config.rope), sink=config.sink, recent=config.recent,
+        method=method, content=_formats(config, 0), rope=_formats(config, 1), sink=config.sink, recent=config.recent,
         bytes_per_token=measure_bytes_per_token(config, dc, dr, longest),
-        bytes_per_token_body=bytes_per_token(config.content, dc) + bytes_per_token(config.rope, dr),
+        bytes_per_token_body=body_bytes_per_token(config, dc, dr),
         bytes_per_token_bf16=2 * (dc + dr), bytes_length=longest,
+        bytes_per_token_long=measure_bytes_per_token(config, dc, dr, LONG_CONTEXT),
         settings={**asdict(settings), "cache": config.to_dict()},
         costs=method_info(test_model, config),
     )

@@ -19,8 +19,9 @@ low nibble, 2i+1 in the high nibble; int2: channel 4i+k in bits 2k..2k+1) with f
 group; fp8 e4m3 bit patterns with an fp32 scale per group (group 0: scale 1.0, none stored); bf16: the
 values in the pool's dtype.
 
-Bit-exactness: the kernel repeats `quantize()`'s arithmetic step for step, in fp32: group min/max, scale =
-max((hi - lo) / (2^bits - 1) * (1 + 2^-10), 2^-24), rounded to fp16 and stepped up one fp16 ulp if that
+Bit-exactness: the kernel repeats `quantize()`'s arithmetic step for step, in fp32: group min/max (with a
+clipping ratio r < 1: lo += (hi - lo) * fp32((1 - r) / 2), span = (hi - lo) * fp32(r)), scale =
+max(span / (2^bits - 1) * (1 + 2^-10), 2^-24), rounded to fp16 and stepped up one fp16 ulp if that
 went below; zero = fp16(lo); code = clamp(round_half_even((x - zero) / scale), 0, 2^bits - 1); fp8: scale
 = max(amax / 448, 1e-12), e4m3(clamp(x / scale, +-448)). Three details matter:
   - torch divides a CUDA tensor by a Python number as a multiply by the fp32 reciprocal (on the CPU it
@@ -87,8 +88,10 @@ if triton is not None:
 
     @triton.jit
     def _quantize_store(x, codes_ptr, scale_ptr, zero_ptr, row, DIM: tl.constexpr, KIND: tl.constexpr,
-                        BITS: tl.constexpr, GROUP: tl.constexpr, SCALED: tl.constexpr, RECIP: tl.constexpr):
-        """`quantize()` one token x [DIM] (the input's dtype) and store it at pool row `row` (int64)."""
+                        BITS: tl.constexpr, GROUP: tl.constexpr, SCALED: tl.constexpr, RECIP: tl.constexpr,
+                        CLIP: tl.constexpr, MARGIN: tl.constexpr):
+        """`quantize()` one token x [DIM] (the input's dtype) and store it at pool row `row` (int64).
+        CLIP < 1 (integers): the codes span the middle CLIP of each group's range, MARGIN = (1 - CLIP) / 2."""
         if KIND == 0:  # bf16: the values themselves, in the pool's dtype
             tl.store(codes_ptr + row * DIM + tl.arange(0, DIM), _cast(x, codes_ptr.dtype.element_ty))
         else:
@@ -105,7 +108,11 @@ if triton is not None:
             else:  # asymmetric integers, x ~= code * scale + zero
                 QMAX: tl.constexpr = (1 << BITS) - 1
                 lo = tl.min(g, 1)
-                s = tl.maximum(_div_const(tl.max(g, 1) - lo, QMAX, RECIP) * (1 + 2**-10), 2**-24)
+                span = tl.max(g, 1) - lo
+                if CLIP != 1.0:  # as formats._int_scale_zero: lo + span * margin, then span * clip, in fp32
+                    lo = lo + span * tl.full(span.shape, MARGIN, tl.float32)
+                    span = span * tl.full(span.shape, CLIP, tl.float32)
+                s = tl.maximum(_div_const(span, QMAX, RECIP) * (1 + 2**-10), 2**-24)
                 s16 = s.to(tl.float16)
                 s16 = (s16.to(tl.int16, bitcast=True) + (s16.to(tl.float32) < s).to(tl.int16)).to(tl.float16,
                                                                                                   bitcast=True)
@@ -148,6 +155,10 @@ if triton is not None:
         R_BITS: tl.constexpr,
         R_GROUP: tl.constexpr,
         R_SCALED: tl.constexpr,
+        C_CLIP: tl.constexpr,
+        C_MARGIN: tl.constexpr,
+        R_CLIP: tl.constexpr,
+        R_MARGIN: tl.constexpr,
         PAGE: tl.constexpr,
         SINK: tl.constexpr,
         RECENT: tl.constexpr,
@@ -175,8 +186,10 @@ if triton is not None:
             xr = r
             qpos = L
         row = tl.load(bt_ptr + b * bt_stride + qpos // PAGE).to(tl.int64) * PAGE + qpos % PAGE
-        _quantize_store(xc, cc_ptr, cs_ptr, cz_ptr, row, DC, C_KIND, C_BITS, C_GROUP, C_SCALED, RECIP)
-        _quantize_store(xr, rc_ptr, rs_ptr, rz_ptr, row, DR, R_KIND, R_BITS, R_GROUP, R_SCALED, RECIP)
+        _quantize_store(xc, cc_ptr, cs_ptr, cz_ptr, row, DC, C_KIND, C_BITS, C_GROUP, C_SCALED, RECIP, C_CLIP,
+                        C_MARGIN)
+        _quantize_store(xr, rc_ptr, rs_ptr, rz_ptr, row, DR, R_KIND, R_BITS, R_GROUP, R_SCALED, RECIP, R_CLIP,
+                        R_MARGIN)
         if W > 0:
             cn = _cast(c, pc_ptr.dtype.element_ty)
             rn = _cast(r, pr_ptr.dtype.element_ty)
@@ -189,6 +202,11 @@ if triton is not None:
             tl.debug_barrier()  # every thread has read the evicted ring row before it is overwritten
             tl.store(pc_ptr + prow * DC + dc, cn)
             tl.store(pr_ptr + prow * DR + dr, rn)
+
+
+def _clip_args(fmt) -> tuple[float, float]:
+    """(clip, margin) constexprs: margin = (1 - clip) / 2 in Python floats, as `quantize()` computes it."""
+    return float(fmt.clip), (1 - fmt.clip) / 2
 
 
 def append_decode_fused(
@@ -219,6 +237,7 @@ def append_decode_fused(
     _append_decode_kernel[(B,)](
         c, c.stride(0), k_pe, k_pe.stride(0), *c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope,
         block_tables, block_tables.stride(0), seq_lens, slots,
-        cache.kv_lora_rank, cache.rope_dim, *c_const, *r_const, cache.block_size, cache.sink, cache.recent,
+        cache.kv_lora_rank, cache.rope_dim, *c_const, *r_const, *_clip_args(cache.content.fmt),
+        *_clip_args(cache.rope.fmt), cache.block_size, cache.sink, cache.recent,
         c.is_cuda, num_warps=4, enable_fp_fusion=False,  # no fma contraction: torch rounds every step
     )  # fmt: skip

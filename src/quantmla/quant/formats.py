@@ -13,6 +13,9 @@ Byte layout per token (last dim), for a path of `dim` channels and group size `g
          for lm3 8 codes per 3 bytes (one little-endian 24-bit word, channel 8i+k in bits 3k..3k+2);
          scale: fp16 rms [dim/g] (g=0: one per token)          -> dim*B/8 + 2*(dim/g, or 1) bytes
 Integer formats are asymmetric: x ~= code * scale + zero, code in [0, 2^bits - 1], zero = group minimum.
+With a clipping ratio r < 1 (QuantFormat.clip) the codes span the middle fraction r of the group's range:
+zero = min + (max - min) * (1 - r) / 2, scale from (max - min) * r; values beyond clip to the end codes.
+The bytes are the same as without clipping, and dequantizing is unchanged (code * scale + zero).
 Token-axis integer formats (QuantFormat.axis == "token", KIVI-style) quantize x [..., n, dim] with n a
 multiple of the block of g tokens: codes uint8 [..., n, dim*bits/8] packed along channels as above; scale,
 zero fp16 [..., n/g, dim], one per channel and block   -> dim*bits/8 + 4*dim/g bytes per token on average.
@@ -93,11 +96,16 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return unpack_bits(packed, 4)
 
 
-def _int_scale_zero(x: torch.Tensor, bits: int, group: int, checked: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def _int_scale_zero(x: torch.Tensor, bits: int, group: int, checked: bool = True,
+                    clip: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
     g = x.float().unflatten(-1, (-1, group))
     lo, hi = g.amin(-1), g.amax(-1)
+    span = hi - lo
+    if clip != 1:  # the fused writer (kernels/cache_write.py) repeats these fp32 steps exactly
+        lo = lo + span * ((1 - clip) / 2)
+        span = span * clip
     # Round the fp16 scale up so the group maximum still maps inside the code range after storage.
-    scale = ((hi - lo) / (2**bits - 1) * (1 + 2**-10)).clamp_min(2**-24)
+    scale = (span / (2**bits - 1) * (1 + 2**-10)).clamp_min(2**-24)
     if checked and ((scale > 6e4).any() or (lo.abs() > 6e4).any()):
         raise ValueError("cannot quantize: values exceed the fp16 range of the scales (|x| > 6e4)")
     # Below 2^-14 fp16 is subnormal and may round down by far more than the 2^-10 margin; step such scales
@@ -185,7 +193,7 @@ def _quantize_tokens(x: torch.Tensor, fmt: QuantFormat, what: str, checked: bool
         raise ValueError(f"cannot quantize {what} as {fmt}: needs a multiple of {fmt.group} tokens along dim -2, "
                          f"got shape {tuple(x.shape)}")
     xt = x.transpose(-1, -2)  # [..., dim, n]: the token blocks become the last dim's groups
-    scale, zero = _int_scale_zero(xt, fmt.bits, fmt.group, checked)
+    scale, zero = _int_scale_zero(xt, fmt.bits, fmt.group, checked, fmt.clip)
     g = xt.float().unflatten(-1, (-1, fmt.group))
     codes = ((g - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, 2**fmt.bits - 1)
     codes = codes.flatten(-2).transpose(-1, -2)  # [..., n, dim]
@@ -222,7 +230,7 @@ def quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor", checked: b
         codes = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
         return Packed(codes.view(torch.uint8).flatten(-2), scale)
     bits = fmt.bits
-    scale, zero = _int_scale_zero(x, bits, fmt.group, checked)
+    scale, zero = _int_scale_zero(x, bits, fmt.group, checked, fmt.clip)
     g = x.float().unflatten(-1, (-1, fmt.group))
     codes = ((g - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, 2**bits - 1)
     return Packed(pack_bits(codes.flatten(-2), bits), scale, zero)
@@ -282,12 +290,14 @@ def fake_quantize_ste(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.kind == "bf16":
         return x
     if fmt.axis == "token":  # the same quantizer along tokens: x [..., n, dim], n whole blocks
-        return fake_quantize_ste(x.transpose(-1, -2), QuantFormat(fmt.kind, fmt.group)).transpose(-1, -2)
+        return fake_quantize_ste(x.transpose(-1, -2), QuantFormat(fmt.kind, fmt.group, clip=fmt.clip)
+                                 ).transpose(-1, -2)
     if fmt.kind == "fp8" or fmt.kind == "fp4" or fmt.kind in CODEBOOK_KINDS:
         return x + (fake_quantize(x.detach(), fmt) - x).detach()  # plain straight-through
     qmax = 2**fmt.bits - 1
     g = x.unflatten(-1, (-1, fmt.group))
     lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    lo, hi = lo + (hi - lo) * ((1 - fmt.clip) / 2), hi - (hi - lo) * ((1 - fmt.clip) / 2)
     scale = (hi - lo).clamp_min(1e-8) / qmax
     q = (g - lo) / scale
     q = q + (q.round().clamp(0, qmax) - q).detach()
