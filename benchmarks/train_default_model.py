@@ -242,7 +242,8 @@ class Batches(torch.utils.data.IterableDataset):
         rng = random.Random(self.seed * 1000 + wid)
         lengths, shares = zip(*self.mix)
         while True:
-            L = rng.choices(lengths, weights=shares)[0]
+            # one length draws nothing, so a single-length run sees the data stream of the 2 K stage
+            L = rng.choices(lengths, weights=shares)[0] if len(lengths) > 1 else lengths[0]
             xs, As = [], []
             for _ in range(max(1, self.micro_tokens // L)):
                 if rng.random() < self.needle_frac:
