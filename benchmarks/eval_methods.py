@@ -157,6 +157,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=8, help="sequences per forward")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's default)")
     ap.add_argument("--device", default="cpu", help="torch device, e.g. cuda (default cpu)")
+    ap.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
+                    help="attention implementation (sdpa: no [batch, heads, L, L] scores, needed at 16 K)")
     ap.add_argument("--out", default=str(RESULTS / "eval_methods"), help="output path without extension")
     ap.add_argument("--equal-bytes", action=argparse.BooleanOptionalAction, default=None,
                     help="after each kivi row, quantmla with the same measured bytes (BF16 window widened by "
@@ -179,7 +181,7 @@ def main(argv=None) -> int:
     settings = EvalSettings(lengths=tuple(int(v) for v in args.lengths.split(",")), samples=args.samples,
                             scored=args.scored, seed=args.seed, batch=args.batch)
     model_dir = resolve_model_dir(args.model)
-    model = load_model(model_dir).to(args.device)
+    model = load_model(model_dir, attn=args.attn).to(args.device)
     tokenizer = tokenizer_for(model_dir)
     results = []
     out = Path(args.out)

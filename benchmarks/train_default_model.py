@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Train quantmla's shipped default model: a small dense DeepSeek-V3-architecture (MLA) byte-level LM.
+"""Train quantmla's small byte-level MLA models: the shipped default (dense DeepSeek-V3 layout) and others.
 
 Data (all offline): the Python sources of the installed packages under ``--data-root`` (split into train /
 held-out by a stable hash of the file path relative to that root), plus synthetic RULER-style needle
@@ -8,9 +8,14 @@ long-range, position-dependent retrieval. At the end the script evaluates (held-
 needle accuracy per task and length, in BF16) and saves the checkpoint in Hugging Face format plus
 ``heldout.txt`` / ``calibration.txt`` / ``results.json`` / ``train.log`` into ``--out``.
 
-Usage (defaults = the shipped model; run on one H200 in ~9 minutes)::
+Usage (defaults = the first, 2 K stage of the shipped model; run on one H200 in ~9 minutes)::
 
     PYTHONPATH=src python3 benchmarks/train_default_model.py --out OUT
+
+Continued training (``--init-from``) keeps a checkpoint's geometry and weights and may raise its RoPE base
+(``--rope-theta``) and position limit; ``--length-mix`` mixes row lengths by their share of tokens. The
+shipped model's 16 K stage and the DeepSeek-V2 MoE model are the two commands in the model cards
+(``src/quantmla/default_model/README.md``, ``models/quantmla-mla-v2-moe/README.md``).
 
 CPU smoke test::
 
@@ -172,12 +177,29 @@ def text_excerpt(rels: list[str], texts: list[bytes], target_bytes: int, per_fil
 
 # ----------------------------------------------------------------------------------------------------------
 # batches
-class Batches(torch.utils.data.IterableDataset):
-    """Infinite micro-batches (x: [B, L+1] int64 token rows, a: [B, L] bool answer-target mask)."""
+def parse_length_mix(spec: str) -> list[tuple[int, float]]:
+    """"2048" or "2048:0.3,8192:0.3,16384:0.4" -> [(row length, share of training tokens)], shares summing to 1."""
+    mix = []
+    for part in (p.strip() for p in spec.split(",") if p.strip()):
+        length, _, share = part.partition(":")
+        mix.append((int(length), float(share or 1.0)))
+    total = sum(w for _, w in mix)
+    if not mix or total <= 0 or any(n < 128 or w < 0 for n, w in mix):
+        raise ValueError(f"bad --length-mix {spec!r}")
+    return [(n, w / total) for n, w in mix]
 
-    def __init__(self, stream: np.ndarray, seq_len: int, micro_batch: int, needle_frac: float, seed: int,
-                 task_weights=(0.4, 0.3, 0.3), full_len_frac: float = 0.35, min_needle_len: int = 96):
-        self.stream, self.L, self.B = stream, seq_len, micro_batch
+
+class Batches(torch.utils.data.IterableDataset):
+    """Infinite micro-batches (x: [B, L+1] int64 token rows, a: [B, L] bool answer-target mask).
+
+    Every micro-batch holds ``micro_tokens`` tokens: B = micro_tokens // L rows of one length L, drawn from
+    ``length_mix`` with probability equal to its token share (so a long row costs as many tokens as it has).
+    """
+
+    def __init__(self, stream: np.ndarray, length_mix: list[tuple[int, float]], micro_tokens: int,
+                 needle_frac: float, seed: int, task_weights=(0.4, 0.3, 0.3), full_len_frac: float = 0.35,
+                 min_needle_len: int = 96):
+        self.stream, self.mix, self.micro_tokens = stream, length_mix, micro_tokens
         self.needle_frac, self.seed = needle_frac, seed
         self.task_weights, self.full_len_frac, self.min_len = task_weights, full_len_frac, min_needle_len
 
@@ -189,10 +211,10 @@ class Batches(torch.utils.data.IterableDataset):
         w = self._window(rng, min(len(self.stream) - 1, int(n * 1.25) + 512))
         return w[w < 256].astype(np.uint8).tobytes().decode("utf-8", errors="ignore")
 
-    def _needle_row(self, rng: random.Random):
-        L1 = self.L + 1
+    def _needle_row(self, rng: random.Random, L: int):
+        L1 = L + 1
         row = np.empty(L1, dtype=np.int64)
-        ans = np.zeros(self.L, dtype=bool)
+        ans = np.zeros(L, dtype=bool)
         pos = 0
         while L1 - pos >= self.min_len + 2:
             room = L1 - pos - 2  # bos + sample + eos
@@ -218,13 +240,16 @@ class Batches(torch.utils.data.IterableDataset):
         info = torch.utils.data.get_worker_info()
         wid = info.id if info is not None else 0
         rng = random.Random(self.seed * 1000 + wid)
+        lengths, shares = zip(*self.mix)
         while True:
+            # one length draws nothing, so a single-length run sees the data stream of the 2 K stage
+            L = rng.choices(lengths, weights=shares)[0] if len(lengths) > 1 else lengths[0]
             xs, As = [], []
-            for _ in range(self.B):
+            for _ in range(max(1, self.micro_tokens // L)):
                 if rng.random() < self.needle_frac:
-                    r, a = self._needle_row(rng)
+                    r, a = self._needle_row(rng, L)
                 else:
-                    r, a = self._window(rng, self.L + 1).astype(np.int64), np.zeros(self.L, dtype=bool)
+                    r, a = self._window(rng, L + 1).astype(np.int64), np.zeros(L, dtype=bool)
                 xs.append(r)
                 As.append(a)
             yield torch.from_numpy(np.stack(xs)), torch.from_numpy(np.stack(As))
@@ -258,6 +283,7 @@ def lm_loss_on_stream(model, stream: np.ndarray, seq_len: int, max_windows: int,
 @torch.no_grad()
 def needle_accuracy(model, task: str, length: int, n: int, seed: int, filler_text: str, device,
                     batch: int = 100) -> dict:
+    """Greedy exact-match accuracy on ``n`` fresh samples of ``task`` at ``length`` (filler: held-out text)."""
     rng = random.Random(seed)
     samples = []
     for _ in range(n):
@@ -287,6 +313,67 @@ def needle_accuracy(model, task: str, length: int, n: int, seed: int, filler_tex
 
 
 # ----------------------------------------------------------------------------------------------------------
+# model
+def build_config(args):
+    """A fresh config of ``args.family`` (dense unless ``args.moe_layers``: then the last that many layers are MoE)."""
+    from transformers import DeepseekV2Config, DeepseekV3Config
+
+    common = dict(
+        vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, first_k_dense_replace=args.layers - args.moe_layers,
+        num_attention_heads=args.heads, num_key_value_heads=args.heads,
+        kv_lora_rank=args.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=args.qk_rope_head_dim,
+        qk_nope_head_dim=args.qk_nope_head_dim, v_head_dim=args.v_head_dim,
+        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta or 10000.0},
+        max_position_embeddings=args.max_position_embeddings or 4096,
+        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False,
+        initializer_range=0.02, rms_norm_eps=1e-6, attention_bias=False, use_cache=True,
+    )
+    moe = dict(n_routed_experts=args.experts, num_experts_per_tok=args.experts_per_tok,
+               n_shared_experts=args.shared_experts, moe_intermediate_size=args.moe_intermediate,
+               n_group=1, topk_group=1) if args.moe_layers else {}
+    if args.family == "deepseek_v3":  # interleaved RoPE weights, as DeepSeek-V3 and Kimi K2
+        return DeepseekV3Config(**common, **moe, rope_interleave=True, num_nextn_predict_layers=0)
+    # DeepSeek-V2 (-Lite): complex RoPE, plain greedy top-k routing with un-normalised weights
+    return DeepseekV2Config(**common, **moe, topk_method="greedy", norm_topk_prob=False, routed_scaling_factor=1.0)
+
+
+class RouterStats:
+    """Forward hooks on the MoE routers: a Switch-style load-balancing loss (while grad is on) and per-layer
+    expert counts (always). Routers return (router_logits [T, E], top-k weights, top-k indices [T, k])."""
+
+    def __init__(self, model):
+        self.aux: list[torch.Tensor] = []
+        self.counts: dict[str, torch.Tensor] = {}
+        self.handles = [m.register_forward_hook(self._hook(name)) for name, m in model.named_modules()
+                        if type(m).__name__.endswith("TopkRouter")]
+
+    def _hook(self, name):
+        def hook(module, inputs, out):
+            if not isinstance(out, tuple) or len(out) != 3:
+                return
+            logits, _, idx = out
+            n_exp = logits.shape[-1]
+            hits = F.one_hot(idx.reshape(-1, idx.shape[-1]), n_exp).sum(1).float()  # [T, E]
+            c = hits.sum(0).detach()
+            self.counts[name] = c if name not in self.counts else self.counts[name] + c
+            if torch.is_grad_enabled():
+                frac = hits.mean(0) / idx.shape[-1]  # share of routed slots per expert
+                prob = logits.float().softmax(-1).mean(0)
+                self.aux.append(n_exp * (frac * prob).sum())  # 1 when balanced
+        return hook
+
+    def take_aux(self, device) -> torch.Tensor:
+        aux = torch.stack(self.aux).mean() if self.aux else torch.zeros((), device=device)
+        self.aux = []
+        return aux
+
+    def usage(self) -> dict[str, list[float]]:
+        """Share of routed slots per expert, per router, since the last reset."""
+        return {k: [round(float(x), 4) for x in (v / v.sum())] for k, v in self.counts.items()}
+
+
+# ----------------------------------------------------------------------------------------------------------
 def main(argv=None) -> int:
     global _LOG
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -295,6 +382,10 @@ def main(argv=None) -> int:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--seed", type=int, default=0)
     # model
+    ap.add_argument("--init-from", default=None,
+                    help="continue training this checkpoint (its geometry; the flags below that change RoPE "
+                         "and the position limit still apply)")
+    ap.add_argument("--family", default="deepseek_v3", choices=["deepseek_v3", "deepseek_v2"])
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--heads", type=int, default=8)
@@ -303,10 +394,19 @@ def main(argv=None) -> int:
     ap.add_argument("--qk-rope-head-dim", type=int, default=64)
     ap.add_argument("--qk-nope-head-dim", type=int, default=64)
     ap.add_argument("--v-head-dim", type=int, default=64)
-    ap.add_argument("--rope-theta", type=float, default=10000.0)
-    ap.add_argument("--max-position-embeddings", type=int, default=4096)
+    ap.add_argument("--rope-theta", type=float, default=None, help="RoPE base (fresh default 10000)")
+    ap.add_argument("--max-position-embeddings", type=int, default=None, help="(fresh default 4096)")
+    ap.add_argument("--moe-layers", type=int, default=0, help="the last N layers are MoE (0: dense)")
+    ap.add_argument("--experts", type=int, default=8, help="routed experts per MoE layer")
+    ap.add_argument("--experts-per-tok", type=int, default=2)
+    ap.add_argument("--shared-experts", type=int, default=1)
+    ap.add_argument("--moe-intermediate", type=int, default=128)
+    ap.add_argument("--aux-weight", type=float, default=0.01, help="load-balancing loss weight (MoE only)")
     # data
-    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--seq-len", type=int, default=2048, help="row length when --length-mix is not given")
+    ap.add_argument("--length-mix", default=None,
+                    help="row lengths and their shares of training tokens, e.g. 2048:0.3,8192:0.3,16384:0.4")
+    ap.add_argument("--task-weights", default="0.4,0.3,0.3", help="needle tasks single,multikey,multivalue")
     ap.add_argument("--max-corpus-mb", type=float, default=160.0)
     ap.add_argument("--max-file-kb", type=float, default=512.0)
     ap.add_argument("--heldout-mod", type=int, default=50, help="held-out fraction = 1/heldout_mod of files")
@@ -316,7 +416,9 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=10)
     # optimisation
     ap.add_argument("--batch-tokens", type=int, default=262144)
-    ap.add_argument("--micro-batch", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=128, help="rows per micro-batch at --seq-len")
+    ap.add_argument("--micro-tokens", type=int, default=None,
+                    help="tokens per micro-batch (default micro_batch * seq_len); rows = micro_tokens // length")
     ap.add_argument("--lr", type=float, default=2e-3)
     ap.add_argument("--min-lr-frac", type=float, default=0.1)
     ap.add_argument("--warmup-steps", type=int, default=30)
@@ -331,16 +433,22 @@ def main(argv=None) -> int:
     # evaluation
     ap.add_argument("--eval-samples", type=int, default=200)
     ap.add_argument("--eval-lengths", default="2048,1024,512,256")
-    ap.add_argument("--heldout-eval-windows", type=int, default=256)
+    ap.add_argument("--eval-batch-tokens", type=int, default=2_000_000,
+                    help="prompt tokens per generate call (at most 200 prompts)")
+    ap.add_argument("--heldout-eval-windows", type=int, default=256, help="windows at the first --heldout-lengths")
+    ap.add_argument("--heldout-lengths", default=None,
+                    help="window lengths for held-out loss (default: the longest training length); later "
+                         "lengths get as many tokens as the first")
+    ap.add_argument("--shard-size", default="14MB")
     ap.add_argument("--pack", action="store_true",
-                    help="for the device: put everything except shards and the log into bundle.tar.gz")
+                    help="for the device: put everything except the weight shards into bundle.tar.gz")
     args = ap.parse_args(argv)
 
     os.makedirs(args.out, exist_ok=True)
     _LOG = open(os.path.join(args.out, "train.log"), "w")
     log(f"args: {vars(args)}")
     import transformers
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, GenerationConfig
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     device = torch.device(args.device)
     env = {"python": platform.python_version(), "torch": torch.__version__,
@@ -368,9 +476,13 @@ def main(argv=None) -> int:
         f"tokens; heldout.txt {len(heldout_txt.encode())} B from {len(heldout_files)} files, calibration.txt "
         f"{len(calib_txt.encode())} B from {len(calib_files)} files")
 
-    L, B = args.seq_len, args.micro_batch
-    accum = max(1, args.batch_tokens // (L * B))
-    ds = Batches(train_stream, L, B, args.needle_frac, args.seed)
+    mix = parse_length_mix(args.length_mix or str(args.seq_len))
+    max_len = max(n for n, _ in mix)
+    micro_tokens = args.micro_tokens or args.micro_batch * args.seq_len
+    accum = max(1, args.batch_tokens // micro_tokens)
+    task_weights = tuple(float(v) for v in args.task_weights.split(","))
+    assert len(task_weights) == len(TASKS), args.task_weights
+    ds = Batches(train_stream, mix, micro_tokens, args.needle_frac, args.seed, task_weights)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=args.workers,
                                          pin_memory=device.type == "cuda",
                                          prefetch_factor=4 if args.workers > 0 else None,
@@ -378,26 +490,33 @@ def main(argv=None) -> int:
     it = iter(loader)  # fork the workers before CUDA is initialised
 
     # ---------------- model
-    tokenizer = build_tokenizer(args.max_position_embeddings)
-    config = DeepseekV3Config(
-        vocab_size=VOCAB, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, first_k_dense_replace=args.layers,  # all layers dense: no MoE
-        num_attention_heads=args.heads, num_key_value_heads=args.heads,
-        kv_lora_rank=args.kv_lora_rank, q_lora_rank=None, qk_rope_head_dim=args.qk_rope_head_dim,
-        qk_nope_head_dim=args.qk_nope_head_dim, v_head_dim=args.v_head_dim, rope_interleave=True,
-        rope_parameters={"rope_type": "default", "rope_theta": args.rope_theta},
-        max_position_embeddings=args.max_position_embeddings, num_nextn_predict_layers=0,
-        bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD, tie_word_embeddings=False,
-        initializer_range=0.02, rms_norm_eps=1e-6, attention_bias=False, use_cache=True,
-    )
-    config._attn_implementation = "sdpa"
-    model = DeepseekV3ForCausalLM(config).to(device)
+    if args.init_from:
+        config = AutoConfig.from_pretrained(args.init_from, local_files_only=True)
+        if args.rope_theta:
+            config.rope_parameters = {**config.rope_parameters, "rope_theta": args.rope_theta}
+        if args.max_position_embeddings:
+            config.max_position_embeddings = args.max_position_embeddings
+        model = AutoModelForCausalLM.from_pretrained(args.init_from, config=config, dtype=torch.float32,
+                                                     local_files_only=True, attn_implementation="sdpa")
+        model = model.to(device)
+        log(f"continuing from {args.init_from}: rope {config.rope_parameters}, max_position_embeddings "
+            f"{config.max_position_embeddings}")
+    else:
+        config = build_config(args)
+        config._attn_implementation = "sdpa"
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).to(device)
+    tokenizer = build_tokenizer(config.max_position_embeddings)
     n_params = sum(p.numel() for p in model.parameters())
     n_embed = model.model.embed_tokens.weight.numel() + model.lm_head.weight.numel()
-    log(f"model: {n_params / 1e6:.2f}M params ({(n_params - n_embed) / 1e6:.2f}M non-embedding); "
-        f"bf16 size {2 * n_params / 2**20:.1f} MiB; micro-batch {B}x{L}, accum {accum}, "
-        f"{accum * B * L} tokens/step")
-    assert not any("experts" in n for n, _ in model.named_parameters()), "MoE layers present"
+    n_moe = config.num_hidden_layers - config.first_k_dense_replace
+    log(f"model: {type(model).__name__}, {n_params / 1e6:.2f}M params ({(n_params - n_embed) / 1e6:.2f}M "
+        f"non-embedding), {max(n_moe, 0)} MoE layers; bf16 size {2 * n_params / 2**20:.1f} MiB; rows of "
+        f"{mix} (length: token share), {micro_tokens} tokens per micro-batch, accum {accum}, "
+        f"{accum * micro_tokens} tokens/step")
+    if n_moe <= 0:
+        assert not any("experts" in n for n, _ in model.named_parameters()), "MoE layers present"
+    router = RouterStats(model)
+    assert bool(router.handles) == (n_moe > 0), "MoE layers without routers found (or the reverse)"
 
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "embed_tokens" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "embed_tokens" not in n)]
@@ -417,9 +536,10 @@ def main(argv=None) -> int:
         lm = loss.mean()
         n_a = a.sum()
         ans = (loss * a).sum() / n_a.clamp(min=1)
+        aux = router.take_aux(x.device)
         with torch.no_grad():
             acc = ((logits.argmax(-1) == x[:, 1:]) & a).sum() / n_a.clamp(min=1)
-        return lm + args.answer_weight * ans, lm.detach(), ans.detach(), acc, n_a
+        return lm + args.answer_weight * ans + args.aux_weight * aux, lm.detach(), ans.detach(), acc, n_a, aux.detach()
 
     # ---------------- train
     t_start = time.time()
@@ -427,30 +547,34 @@ def main(argv=None) -> int:
     log(f"training for at most {budget:.0f} s / {args.max_steps} steps")
     history = []
     step, tokens = 0, 0
-    ema = None
+    tokens_by_length = {n: 0 for n, _ in mix}
     model.train()
-    held_quick = held_stream[: min(len(held_stream), 16 * L + 1)]
-    split = 1  # micro-batches are split further if the first step runs out of memory
+    quick_len = min(n for n, _ in mix)
+    held_quick = held_stream[: min(len(held_stream), 16 * quick_len + 1)]
+    split = 1  # micro-batches are split further if one of the first steps runs out of memory
 
     class _Retry(Exception):
         pass
 
     def accumulate():
-        tots = torch.zeros(4, device=device)
+        tots = torch.zeros(5, device=device)
+        n_tok = 0
         for _ in range(accum):
             x, a = next(it)
             x = x.to(device, non_blocking=True)
             a = a.to(device, non_blocking=True)
+            tokens_by_length[x.shape[1] - 1] += a.numel()
+            n_tok += a.numel()
             for x_, a_ in zip(x.chunk(split), a.chunk(split)):
                 try:
-                    loss, lm, ans, acc, n_a = step_loss(x_, a_)
+                    loss, lm, ans, acc, n_a, aux = step_loss(x_, a_)
                     (loss / (accum * split)).backward()
                 except torch.OutOfMemoryError:
-                    if step > 0 or split >= B:
+                    if step > 2 or split >= micro_tokens // max_len:
                         raise
                     raise _Retry()
-                tots += torch.stack([lm / split, ans * n_a, acc * n_a, n_a.float()])
-        return tots
+                tots += torch.stack([lm / split, ans * n_a, acc * n_a, n_a.float(), aux / split])
+        return tots, n_tok
 
     while True:
         elapsed = time.time() - t_start
@@ -462,9 +586,10 @@ def main(argv=None) -> int:
         for g in opt.param_groups:
             g["lr"] = lr
         try:
-            tots = accumulate()
+            tots, n_tok = accumulate()
         except _Retry:
             opt.zero_grad(set_to_none=True)
+            router.aux = []
             torch.cuda.empty_cache()
             split *= 2
             log(f"out of memory: splitting micro-batches {split} ways")
@@ -476,43 +601,61 @@ def main(argv=None) -> int:
         opt.step()
         opt.zero_grad(set_to_none=True)
         step += 1
-        tokens += accum * B * L
+        tokens += n_tok
         if step % args.log_every == 0 or step == 1:
             t = tots.tolist()
             rec = {"step": step, "time_s": round(time.time() - t_start, 1), "tokens": tokens, "lr": lr,
                    "lm_loss": t[0] / accum, "answer_loss": t[1] / max(t[3], 1), "answer_token_acc": t[2] / max(t[3], 1),
                    "grad_norm": float(gnorm)}
-            ema = rec["lm_loss"] if ema is None else 0.7 * ema + 0.3 * rec["lm_loss"]
+            if n_moe > 0:
+                rec["aux_loss"] = t[4] / accum
             if step % (args.log_every * 10) == 0:
                 model.eval()
                 with amp:
-                    rec["heldout_quick_loss"] = lm_loss_on_stream(model, held_quick, L, 16, 16, device)["loss"]
+                    rec["heldout_quick_loss"] = lm_loss_on_stream(model, held_quick, quick_len, 16, 16, device)["loss"]
                 model.train()
             history.append(rec)
             log(f"step {step:5d}  lm {rec['lm_loss']:.4f}  ans {rec['answer_loss']:.4f}  ans_acc "
                 f"{rec['answer_token_acc']:.3f}  gn {rec['grad_norm']:.2f}  lr {lr:.2e}  "
                 f"{tokens / (time.time() - t_start) / 1e6:.2f} Mtok/s  {tokens / 1e6:.0f} Mtok"
+                + (f"  aux {rec['aux_loss']:.3f}" if "aux_loss" in rec else "")
                 + (f"  heldout {rec['heldout_quick_loss']:.4f}" if "heldout_quick_loss" in rec else ""))
     train_time = time.time() - t_start
-    log(f"trained {step} steps, {tokens / 1e6:.1f}M tokens in {train_time:.1f} s")
+    log(f"trained {step} steps, {tokens / 1e6:.1f}M tokens in {train_time:.1f} s; tokens by row length "
+        f"{ {n: round(v / 1e6, 1) for n, v in tokens_by_length.items()} } M")
     del it, loader
 
     # ---------------- evaluate (BF16 weights)
     model = model.to(torch.bfloat16).eval()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     model.generation_config = GenerationConfig(bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
                                                do_sample=False, max_new_tokens=32)
     t_eval = time.time()
     results: dict = {}
-    results["heldout_split"] = lm_loss_on_stream(model, held_stream, L, args.heldout_eval_windows, 32, device)
+    ho_lengths = [int(v) for v in (args.heldout_lengths or str(max_len)).split(",") if v]
+    ho_tokens = args.heldout_eval_windows * ho_lengths[0]
+    router.counts = {}
+    results["heldout_split_by_length"] = {}
+    for n in ho_lengths:
+        r = lm_loss_on_stream(model, held_stream, n, max(1, ho_tokens // n), max(1, 65536 // n), device)
+        results["heldout_split_by_length"][n] = r
+        log(f"held-out split, {r['windows']} windows of {n}: loss {r['loss']:.4f}, {r['bits_per_byte']:.4f} bpb")
+    if n_moe > 0:
+        results["expert_usage_heldout"] = router.usage()
+        log(f"expert usage on the held-out windows (share of routed slots): {results['expert_usage_heldout']}")
+    n0 = ho_lengths[0]
+    results["heldout_split"] = results["heldout_split_by_length"][n0]
     ho_txt_stream = to_stream([heldout_txt.encode()])
-    results["heldout_txt"] = lm_loss_on_stream(model, ho_txt_stream, L, args.heldout_eval_windows, 32, device)
+    results["heldout_txt"] = lm_loss_on_stream(model, ho_txt_stream, n0, args.heldout_eval_windows,
+                                               max(1, 65536 // n0), device)
     rng = random.Random(args.seed + 99)
-    tr_sample = np.concatenate([train_stream[(i := rng.randrange(len(train_stream) - L - 1)):i + L + 1]
+    tr_sample = np.concatenate([train_stream[(i := rng.randrange(len(train_stream) - n0 - 1)):i + n0 + 1]
                                 for _ in range(64)])
-    results["train_sample"] = lm_loss_on_stream(model, tr_sample, L, 64, 32, device)
+    results["train_sample"] = lm_loss_on_stream(model, tr_sample, n0, 64, max(1, 65536 // n0), device)
     del tr_sample
-    log(f"held-out split: loss {results['heldout_split']['loss']:.4f}, {results['heldout_split']['bits_per_byte']:.4f} "
-        f"bpb; heldout.txt: {results['heldout_txt']['bits_per_byte']:.4f} bpb; train sample: "
+    log(f"windows of {n0}: held-out split {results['heldout_split']['bits_per_byte']:.4f} bpb; heldout.txt: "
+        f"{results['heldout_txt']['bits_per_byte']:.4f} bpb; train sample: "
         f"{results['train_sample']['bits_per_byte']:.4f} bpb")
     # tokenizer/prompt consistency
     s = make_sample("single", 256, random.Random(1))
@@ -520,8 +663,10 @@ def main(argv=None) -> int:
     lengths = [int(v) for v in args.eval_lengths.split(",") if v]
     needles = []
     for li, length in enumerate(lengths):
+        batch = max(1, min(200, args.eval_batch_tokens // length))
         for ti, task in enumerate(TASKS):
-            r = needle_accuracy(model, task, length, args.eval_samples, 10_000 + 100 * li + ti, eval_filler, device)
+            r = needle_accuracy(model, task, length, args.eval_samples, 10_000 + 100 * li + ti, eval_filler, device,
+                                batch)
             needles.append(r)
             log(f"needle {task:10s} len {length:5d}: {r['accuracy'] * 100:5.1f}%  e.g. {r['examples'][:1]}")
     results["needles"] = needles
@@ -530,7 +675,7 @@ def main(argv=None) -> int:
     # ---------------- save
     mdir = os.path.join(args.out, "model")
     shutil.rmtree(mdir, ignore_errors=True)
-    model.save_pretrained(mdir, max_shard_size="14MB")
+    model.save_pretrained(mdir, max_shard_size=args.shard_size)
     tokenizer.save_pretrained(mdir)
     with open(os.path.join(args.out, "heldout.txt"), "w") as f:
         f.write(heldout_txt)
@@ -545,31 +690,30 @@ def main(argv=None) -> int:
                  "train_stream_tokens": int(len(train_stream)), "heldout_stream_tokens": int(len(held_stream)),
                  "split": f"held-out iff int(sha1(relpath)[:12], 16) % {args.heldout_mod} == 0",
                  "heldout_txt_files": heldout_files, "calibration_txt_files": calib_files},
-        "steps": step, "tokens": tokens, "tokens_per_step": accum * B * L, "train_time_s": round(train_time, 1),
+        "length_mix": mix, "tokens_by_length": tokens_by_length,
+        "steps": step, "tokens": tokens, "tokens_per_step": accum * micro_tokens, "train_time_s": round(train_time, 1),
         "total_time_s": round(time.time() - T0, 1), "final_train_log": history[-1] if history else None,
         "eval": results, "history": history,
     }
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump(summary, f, indent=1, default=str)
     log(f"saved to {args.out}: {sorted(os.listdir(mdir))}")
-    if args.pack:
-        keep = []
-        with tarfile.open(os.path.join(args.out, "bundle.tar.gz"), "w:gz") as tar:
-            for name in ["results.json", "heldout.txt", "calibration.txt"]:
-                tar.add(os.path.join(args.out, name), arcname=name)
-            for name in sorted(os.listdir(mdir)):
-                if name.endswith(".safetensors"):
-                    keep.append(name)
-                else:
-                    tar.add(os.path.join(mdir, name), arcname=f"model/{name}")
-        for name in ["results.json", "heldout.txt", "calibration.txt"]:
-            os.remove(os.path.join(args.out, name))
-        for name in os.listdir(mdir):
-            if name not in keep:
-                os.remove(os.path.join(mdir, name))
-        log(f"packed: {sorted(os.listdir(args.out))}, model/: {sorted(os.listdir(mdir))}")
     log(f"done in {time.time() - T0:.1f} s")
     _LOG.close()
+    if args.pack:  # the device returns at most 8 files: shards stay files, the rest travels as one archive
+        names = ["results.json", "heldout.txt", "calibration.txt", "train.log"]
+        with tarfile.open(os.path.join(args.out, "bundle.tar.gz"), "w:gz") as tar:
+            for name in names:
+                tar.add(os.path.join(args.out, name), arcname=name)
+            for name in sorted(os.listdir(mdir)):
+                if not name.endswith(".safetensors"):
+                    tar.add(os.path.join(mdir, name), arcname=f"model/{name}")
+        for name in names:
+            os.remove(os.path.join(args.out, name))
+        for name in os.listdir(mdir):
+            if not name.endswith(".safetensors"):
+                os.remove(os.path.join(mdir, name))
+        print(f"packed: {sorted(os.listdir(args.out))}, model/: {sorted(os.listdir(mdir))}", flush=True)
     return 0
 
 

@@ -154,3 +154,22 @@ def test_single_needle_short(model_and_tokenizer):
     got = [tok.decode(o[x.shape[1]:], skip_special_tokens=True) for o in out]
     correct = sum(g.startswith(s.answer) for g, s in zip(got, samples))
     assert correct >= 5, list(zip(got, [s.answer for s in samples]))
+
+
+def test_long_context_config_and_needle_at_4096(model_and_tokenizer):
+    """Stage 2 of the card: RoPE base raised, positions to 16 K, and retrieval past the 2 K stage's length
+    (the 2 K model was never trained beyond 2048 positions)."""
+    import torch
+
+    model, tok = model_and_tokenizer
+    c = model.config
+    assert c.max_position_embeddings >= 16384 and c.rope_parameters["rope_theta"] >= 1e5
+    filler = HELDOUT.read_text()
+    rng = random.Random(4096)
+    samples = [make_sample("single", 4096, rng, filler=filler[o:o + 20000])
+               for o in (rng.randrange(len(filler) - 20000) for _ in range(1))]  # one: CPU time
+    x = torch.tensor([tok(s.prompt).input_ids for s in samples])
+    with torch.no_grad():
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=7, do_sample=False)
+    got = [tok.decode(o[x.shape[1]:], skip_special_tokens=True) for o in out]
+    assert all(g.startswith(s.answer) for g, s in zip(got, samples)), list(zip(got, [s.answer for s in samples]))
