@@ -314,3 +314,27 @@ def test_per_layer_clipped_formats_are_served_as_calibrated(tmp_path):
     assert got == [hf_greedy(model, p, NEW, served_quant_cache(model, p, llm.cache_config)) for p in ids]
     unclipped = CacheConfig(sink=SINK, recent=RECENT, layers=[[f.split("c")[0] for f in pair] for pair in layers])
     assert got != [hf_greedy(model, p, NEW, served_quant_cache(model, p, unclipped)) for p in ids]
+
+
+def test_per_layer_windows_bf16_layer_beside_quantized_ones(tmp_path):
+    """A layer whose formats are both bf16 keeps no BF16 window (sink = recent = 0) while the others do: the
+    prefill plans each window separately, and greedy tokens equal `generate` with a token-by-token cache."""
+    import json
+
+    from quantmla.models import load_model
+
+    path = tmp_path / "ckpt"
+    model = sharp_model("deepseek_v3")
+    model.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    n = len(describe(model))
+    layers = [["bf16", "bf16"]] + [["int2:16", "int4:16"]] * (n - 1)
+    cfg["quantmla"] = {"method": "quantmla", "content": "int4", "rope": "int4", "sink": SINK, "recent": RECENT,
+                       "layers": layers}
+    (path / "config.json").write_text(json.dumps(cfg))
+    llm = LLM(path, max_num_seqs=4, block_size=PAGE, prefill_chunk=16, kv_cache_bytes=1 << 22)
+    assert [(c.sink, c.recent) for c in llm.runner.caches] == [(0, 0)] + [(SINK, RECENT)] * (n - 1)
+    model = load_model(path)
+    ids = prompts(model.config.vocab_size, (40, 70))
+    got = [o.token_ids for o in llm.generate(ids, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+    assert got == [hf_greedy(model, p, NEW, served_quant_cache(model, p, llm.cache_config)) for p in ids]

@@ -44,17 +44,16 @@ class QueryBlock:
 
 
 @dataclass
-class Prefill:
-    """One chunk of one sequence: positions [rows.start, rows.end), built once per chunk for every layer."""
+class ChunkPlan:
+    """One chunk's pool rows and query blocks for the caches of one (sink, recent) window."""
 
-    slot: int
-    rows: ChunkRows  # where the chunk's tokens go in every layer's pool (`PagedMLACache.chunk_rows`)
+    rows: ChunkRows  # where the chunk's tokens go (`PagedMLACache.chunk_rows`)
     blocks: list[QueryBlock]
 
     @classmethod
-    def plan(cls, cache: PagedMLACache, slot: int, block_table: torch.Tensor, start: int, n: int,
-             dtype: torch.dtype, query_block: int | None = None) -> Prefill:
-        """block_table [max_blocks] int32 covers start + n tokens. `cache`: any layer's (all are laid out alike).
+    def build(cls, cache: PagedMLACache, block_table: torch.Tensor, start: int, n: int, dtype: torch.dtype,
+              query_block: int | None = None) -> ChunkPlan:
+        """block_table [max_blocks] int32 covers start + n tokens; `cache` any layer's with this window.
 
         Query t sees served key u if u <= t and u is a sink or recent key of the served cache or one it sees
         quantized (u < t + 1 - recent); it sees band key u if t + 1 - recent <= u <= t. Blocking the queries
@@ -84,7 +83,25 @@ class Prefill:
             mask = torch.zeros(seen.shape, dtype=dtype, device=dev).masked_fill_(~seen, float("-inf"))
             off = rows.band_start
             blocks.append(QueryBlock(slice(lo - start, hi - start), served_hi, slice(b_lo - off, b_hi - off), mask))
-        return cls(slot, rows, blocks)
+        return cls(rows, blocks)
+
+
+@dataclass
+class Prefill:
+    """One chunk of one sequence, positions [start, start + n): its plans, built once per chunk and shared by
+    every layer with the same window (a layer whose two formats are bf16 keeps no BF16 window: (0, 0))."""
+
+    slot: int
+    plans: dict[tuple[int, int], ChunkPlan]  # by (sink, recent)
+
+    @classmethod
+    def plan(cls, caches: list[PagedMLACache], slot: int, block_table: torch.Tensor, start: int, n: int,
+             dtype: torch.dtype) -> Prefill:
+        plans: dict[tuple[int, int], ChunkPlan] = {}
+        for cache in caches:
+            if (cache.sink, cache.recent) not in plans:
+                plans[cache.sink, cache.recent] = ChunkPlan.build(cache, block_table, start, n, dtype)
+        return cls(slot, plans)
 
 
 @dataclass
@@ -110,12 +127,13 @@ def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hi
     Keys come in two sets, each position at most once per query: the cache as served after the chunk
     (`write_chunk`'s view: quantized body, BF16 sink and recent rows), and the band of positions that the
     served cache has quantized but a query of the chunk still sees in BF16 (those within `recent` of it).
-    Per block of queries (`ctx.blocks`), a mask picks for query t each key from the right set and one
+    Per block of queries (`ChunkPlan.blocks`), a mask picks for query t each key from the right set and one
     `scaled_dot_product_attention` over the keys the block can see does the rest (expanded K/V, as the
     model's own prefill).
     """
     c, k_pe = (x[0] for x in project_cache(attn, layer, hidden, position_embeddings))
-    view = cache.write_chunk(ctx.slot, ctx.rows, c, k_pe, checked=False, view_dtype=hidden.dtype)
+    plan = ctx.plans[cache.sink, cache.recent]
+    view = cache.write_chunk(ctx.slot, plan.rows, c, k_pe, checked=False, view_dtype=hidden.dtype)
     served, band = view.c.shape[0], view.band_c.shape[0]
     all_c, all_r = view.c, view.k_pe
     if band:
@@ -126,7 +144,7 @@ def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hi
     k_nope, v = kv.split([layer.nope_dim, layer.v_dim], dim=-1)
     k = torch.cat([k_nope, all_r[None].expand(layer.num_heads, -1, -1)], dim=-1)
     outs = []
-    for blk in ctx.blocks:
+    for blk in plan.blocks:
         if blk.band.stop > blk.band.start:
             band_rows = slice(served + blk.band.start, served + blk.band.stop)
             kb = torch.cat([k[:, : blk.served], k[:, band_rows]], dim=1)

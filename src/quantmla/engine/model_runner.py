@@ -108,7 +108,7 @@ class ModelRunner:
             ids = torch.tensor(seq.token_ids, dtype=torch.long).to(self.device, non_blocking=True)
             for start in range(0, len(seq), self.prefill_chunk):
                 end = min(start + self.prefill_chunk, len(seq))
-                self.step.current = Prefill.plan(self.caches[0], seq.slot, table, start, end - start, self.dtype)
+                self.step.current = Prefill.plan(self.caches, seq.slot, table, start, end - start, self.dtype)
                 pos = torch.arange(start, end, device=self.device)
                 logits = self._forward(ids[None, start:end], pos[None])
             rows.append(logits[0])
