@@ -197,8 +197,14 @@ def _customize(spec):
 
 
 class QuantMLACPUImpl(QuantMLAImplMixin, CPUMLAImpl):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, num_heads, head_size, *args, **kwargs):
+        # vLLM's CPU MLA (whose prefill this reuses) is built for one head size; say so before it fails later.
+        served = CPUMLABackend.get_supported_head_sizes()
+        if head_size not in served:
+            raise ValueError(f"quantmla's vLLM CPU backend serves MLA head size {served} (kv_lora_rank 512 + rope "
+                             f"64), the only one vLLM's CPU MLA supports; this model has MLA head size {head_size} "
+                             f"(kv_lora_rank {kwargs.get('kv_lora_rank')} + rope {kwargs.get('qk_rope_head_dim')})")
+        super().__init__(num_heads, head_size, *args, **kwargs)
         self._quantmla_setup()
 
 

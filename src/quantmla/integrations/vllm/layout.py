@@ -68,9 +68,9 @@ def attach(kv_cache: torch.Tensor, cfg: CacheConfig, kv_lora_rank: int, rope_dim
     if kv_cache.dim() != 3 or kv_cache.shape[-1] * kv_cache.element_size() != row:
         raise ValueError(f"vLLM's KV cache tensor {tuple(kv_cache.shape)} {kv_cache.dtype} does not have quantmla's "
                          f"{row}-byte rows for {cfg.content}/{cfg.rope}")
-    if kv_cache.stride(-1) != 1 or kv_cache.stride(0) != kv_cache.shape[1] * kv_cache.stride(1):
-        raise ValueError(f"vLLM's KV cache tensor has strides {kv_cache.stride()}; quantmla needs whole rows "
-                         f"per token, blocks one after another (the default layout)")
+    if not kv_cache.is_contiguous():
+        raise ValueError(f"vLLM's KV cache tensor has strides {kv_cache.stride()}; quantmla needs one row per "
+                         f"token, rows and blocks one after another (vLLM's default layout)")
     num_blocks, block_size = kv_cache.shape[:2]
     raw = kv_cache.view(torch.uint8)  # [NB, P, row]
     tensors: dict[tuple[str, str], torch.Tensor] = {}
