@@ -3,7 +3,7 @@ puts quantmla's packed MLA cache behind vLLM's MLA attention backend slot.
 
 vLLM calls `register()` in every process it starts (engine and workers). It replaces, through vLLM's
 `register_backend` (no monkeypatching):
-  - on the CPU: CPU_MLA with `backend.QuantMLACPUBackend`, and CPU_ATTN with a guard that refuses non-MLA
+  - on the CPU: CPU_MLA with `cpu.QuantMLACPUBackend`, and CPU_ATTN with a guard that refuses non-MLA
     models when QUANTMLA_VLLM_CACHE asks for quantmla (otherwise it is vLLM's own backend);
   - on CUDA: TRITON_MLA with `cuda.QuantMLATritonBackend` (select it with --attention-backend TRITON_MLA;
     untested, see the README).
@@ -23,7 +23,7 @@ def register() -> None:
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
     if current_platform.is_cpu():
-        register_backend(AttentionBackendEnum.CPU_MLA, f"{_HERE}.backend.QuantMLACPUBackend")
-        register_backend(AttentionBackendEnum.CPU_ATTN, f"{_HERE}.backend.NonMLAGuardBackend")
+        register_backend(AttentionBackendEnum.CPU_MLA, f"{_HERE}.cpu.QuantMLACPUBackend")
+        register_backend(AttentionBackendEnum.CPU_ATTN, f"{_HERE}.cpu.NonMLAGuardBackend")
     elif current_platform.is_cuda():
         register_backend(AttentionBackendEnum.TRITON_MLA, f"{_HERE}.cuda.QuantMLATritonBackend")

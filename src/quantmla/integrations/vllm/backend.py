@@ -1,4 +1,5 @@
-"""quantmla's MLA attention backend for vLLM: the packed cache of `layout`, the serving policy of
+"""quantmla's MLA attention backend for vLLM, the platform-independent part (the classes vLLM loads are in
+`cpu` and `cuda`, each mixing this into vLLM's MLA backend of its platform): the packed cache of `layout`, the serving policy of
 `quantmla.cache.paged` (sink + recent tokens in BF16, each token quantized exactly when it leaves the recent
 window), decode over it, prefill over BF16.
 
@@ -29,8 +30,6 @@ from vllm.config import get_current_vllm_config_or_none
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
 from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
-from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
-from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from quantmla.cache.paged import PagedMLACache
 from quantmla.config import CacheConfig
@@ -186,7 +185,7 @@ class QuantMLAImplMixin:
         return out.to(q_nope.dtype), None
 
 
-def _customize(spec):
+def quantmla_spec(spec):
     """The KV cache spec with quantmla's row size (unchanged for BF16, whose row is vLLM's own)."""
     cfg, dc, dr, _ = _model_cache_config()
     if spec.head_size != dc + dr:
@@ -194,51 +193,3 @@ def _customize(spec):
     if cfg.content.kind == "bf16" and cfg.rope.kind == "bf16":
         return spec
     return replace(spec, state_content_bytes=layout.row_bytes(cfg, dc, dr))
-
-
-class QuantMLACPUImpl(QuantMLAImplMixin, CPUMLAImpl):
-    def __init__(self, num_heads, head_size, *args, **kwargs):
-        # vLLM's CPU MLA (whose prefill this reuses) is built for one head size; say so before it fails later.
-        served = CPUMLABackend.get_supported_head_sizes()
-        if head_size not in served:
-            raise ValueError(f"quantmla's vLLM CPU backend serves MLA head size {served} (kv_lora_rank 512 + rope "
-                             f"64), the only one vLLM's CPU MLA supports; this model has MLA head size {head_size} "
-                             f"(kv_lora_rank {kwargs.get('kv_lora_rank')} + rope {kwargs.get('qk_rope_head_dim')})")
-        super().__init__(num_heads, head_size, *args, **kwargs)
-        self._quantmla_setup()
-
-
-class QuantMLACPUBackend(CPUMLABackend):
-    """vLLM's CPU MLA backend (its prefill, its head sizes: 576 only) with quantmla's cache and decode.
-    Keeps the CPU_MLA name: it takes that slot of vLLM's backend registry."""
-
-    @classmethod
-    def customize_spec(cls, spec):
-        return _customize(super().customize_spec(spec))
-
-    @staticmethod
-    def get_impl_cls():
-        return QuantMLACPUImpl
-
-    @staticmethod
-    def get_builder_cls():
-        return QuantMLAMetadataBuilder
-
-
-class _NonMLAGuardImpl(CPUAttentionBackendImpl):
-    def __init__(self, *args, **kwargs):
-        if settings.requested():
-            vllm_config = get_current_vllm_config_or_none()
-            model = vllm_config.model_config.model if vllm_config and vllm_config.model_config else "this model"
-            raise ValueError(f"{settings.ENV} asks for quantmla's cache, but {model} does not use MLA "
-                             f"(multi-head latent attention): quantmla only quantizes MLA caches. Unset {settings.ENV}.")
-        super().__init__(*args, **kwargs)
-
-
-class NonMLAGuardBackend(CPUAttentionBackend):
-    """vLLM's CPU attention backend, unchanged, except that it refuses to start when quantmla was asked for
-    (QUANTMLA_VLLM_CACHE set) on a model without MLA, instead of silently serving an unquantized cache."""
-
-    @staticmethod
-    def get_impl_cls():
-        return _NonMLAGuardImpl

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAImpl
 
-from quantmla.integrations.vllm.backend import QuantMLAImplMixin, QuantMLAMetadataBuilder, _customize
+from quantmla.integrations.vllm.backend import QuantMLAImplMixin, QuantMLAMetadataBuilder, quantmla_spec
 
 
 class QuantMLATritonImpl(QuantMLAImplMixin, TritonMLAImpl):
@@ -18,7 +18,7 @@ class QuantMLATritonImpl(QuantMLAImplMixin, TritonMLAImpl):
 class QuantMLATritonBackend(TritonMLABackend):
     @classmethod
     def customize_spec(cls, spec):
-        return _customize(super().customize_spec(spec))
+        return quantmla_spec(super().customize_spec(spec))
 
     @staticmethod
     def get_impl_cls():
