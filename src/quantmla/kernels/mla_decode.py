@@ -445,23 +445,27 @@ if triton is not None:
         tl.store(lse_ptr + b * H + h, tl.where(ok, m + tl.log(tl.where(ok, tot, 1.0)), float("-inf")))
 
 
-def _path_args(path: PagedPath) -> tuple[list[torch.Tensor], tuple[int, int, int, bool, int, int]]:
-    """Pool pointers (a stand-in where the format has no scale/zero) and the path's constexprs, row strides
-    included: a pool [NB, P, width] may have rows further apart than its width (fields of one packed row)
-    but its blocks must be whole runs of rows (stride(0) = P * stride(1)) and each row contiguous."""
+def _path_args(path: PagedPath) -> tuple[list[torch.Tensor], tuple[int, int, int, bool]]:
+    """Pool pointers (a stand-in where the format has no scale/zero) and the path's constexprs."""
     fmt, codes = path.fmt, path.codes
     scale = path.scale if path.scale is not None else codes
     zero = path.zero if path.zero is not None else codes
     group = fmt.group or path.dim
     if path.dim & (path.dim - 1) or group & (group - 1):
         raise ValueError(f"the kernel needs power-of-two dims and groups, got dim {path.dim}, group {group}")
+    return [codes, scale, zero], (KIND_CODE[fmt.kind], fmt.bits, group, path.scale is not None)
+
+
+def _row_strides(path: PagedPath) -> tuple[int, int]:
+    """Elements from one pool row to the next in the codes and in the scale/zero pools. A pool [NB, P, width]
+    may have rows further apart than its width (fields of one packed row, as in vLLM's cache tensor), but
+    each row must be contiguous and each block a whole run of rows (stride(0) = P * stride(1))."""
     for t in path.tensors():
         if t.stride(-1) != 1 or t.stride(0) != t.shape[1] * t.stride(1):
             raise ValueError(f"the kernel needs pools of whole contiguous rows, got strides {t.stride()}")
     if path.scale is not None and path.zero is not None and path.scale.stride(1) != path.zero.stride(1):
         raise ValueError("the kernel needs the scale and zero pools to share a row stride")
-    sz_row = path.scale.stride(1) if path.scale is not None else 0
-    return [codes, scale, zero], (KIND_CODE[fmt.kind], fmt.bits, group, path.scale is not None, codes.stride(1), sz_row)
+    return path.codes.stride(1), (path.scale.stride(1) if path.scale is not None else 0)
 
 
 def num_splits_for(batch: int, num_heads: int, max_seq_len: int, cfg: KernelConfig, num_sms: int) -> int:
@@ -547,7 +551,8 @@ def mla_decode(
         qn, qp, *c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope,
         block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
         H, num_splits, sm_scale * LOG2E,
-        dc, dr, *c_const, *r_const, cache.block_size, cache.sink, cache.window,
+        dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
+        cache.block_size, cache.sink, cache.window,
         cfg.block_h, block_n, cfg.scores_t, cfg.values_t, use_asm, _interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
