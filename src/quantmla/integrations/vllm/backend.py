@@ -185,7 +185,7 @@ class QuantMLAImplMixin:
         return out.to(q_nope.dtype), None
 
 
-def quantmla_spec(spec):
+def _quantmla_spec(spec):
     """The KV cache spec with quantmla's row size (unchanged for BF16, whose row is vLLM's own)."""
     cfg, dc, dr, _ = _model_cache_config()
     if spec.head_size != dc + dr:
@@ -193,3 +193,16 @@ def quantmla_spec(spec):
     if cfg.content.kind == "bf16" and cfg.rope.kind == "bf16":
         return spec
     return replace(spec, state_content_bytes=layout.row_bytes(cfg, dc, dr))
+
+
+class QuantMLABackendMixin:
+    """Mixed into vLLM's MLA backend of the platform: quantmla's row size and metadata builder (the impl is
+    the platform's, see `cpu` and `cuda`)."""
+
+    @classmethod
+    def customize_spec(cls, spec):
+        return _quantmla_spec(super().customize_spec(spec))
+
+    @staticmethod
+    def get_builder_cls():
+        return QuantMLAMetadataBuilder

@@ -8,7 +8,7 @@ from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentio
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from quantmla.integrations.vllm import settings
-from quantmla.integrations.vllm.backend import QuantMLAImplMixin, QuantMLAMetadataBuilder, quantmla_spec
+from quantmla.integrations.vllm.backend import QuantMLABackendMixin, QuantMLAImplMixin
 
 
 class QuantMLACPUImpl(QuantMLAImplMixin, CPUMLAImpl):
@@ -23,21 +23,13 @@ class QuantMLACPUImpl(QuantMLAImplMixin, CPUMLAImpl):
         self._quantmla_setup()
 
 
-class QuantMLACPUBackend(CPUMLABackend):
+class QuantMLACPUBackend(QuantMLABackendMixin, CPUMLABackend):
     """vLLM's CPU MLA backend (its prefill, its head sizes: 576 only) with quantmla's cache and decode.
     Keeps the CPU_MLA name: it takes that slot of vLLM's backend registry."""
-
-    @classmethod
-    def customize_spec(cls, spec):
-        return quantmla_spec(super().customize_spec(spec))
 
     @staticmethod
     def get_impl_cls():
         return QuantMLACPUImpl
-
-    @staticmethod
-    def get_builder_cls():
-        return QuantMLAMetadataBuilder
 
 
 class _NonMLAGuardImpl(CPUAttentionBackendImpl):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend, TritonMLAImpl
 
-from quantmla.integrations.vllm.backend import QuantMLAImplMixin, QuantMLAMetadataBuilder, quantmla_spec
+from quantmla.integrations.vllm.backend import QuantMLABackendMixin, QuantMLAImplMixin
 
 
 class QuantMLATritonImpl(QuantMLAImplMixin, TritonMLAImpl):
@@ -15,15 +15,7 @@ class QuantMLATritonImpl(QuantMLAImplMixin, TritonMLAImpl):
         self._quantmla_setup()
 
 
-class QuantMLATritonBackend(TritonMLABackend):
-    @classmethod
-    def customize_spec(cls, spec):
-        return quantmla_spec(super().customize_spec(spec))
-
+class QuantMLATritonBackend(QuantMLABackendMixin, TritonMLABackend):
     @staticmethod
     def get_impl_cls():
         return QuantMLATritonImpl
-
-    @staticmethod
-    def get_builder_cls():
-        return QuantMLAMetadataBuilder
