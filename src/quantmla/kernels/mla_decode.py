@@ -205,14 +205,18 @@ if triton is not None:
         SCALED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         ASM: tl.constexpr,
+        ROW: tl.constexpr,
+        SZ_ROW: tl.constexpr,
     ):
         """BLOCK_N consecutive pool rows from row0 (int64) -> bf16 [BLOCK_N, DIM]; invalid rows read as 0.
+        ROW / SZ_ROW: elements from one row to the next in the codes / scale and zero pools (their widths for
+        contiguous pools; more where the pools are fields of one packed row, as in vLLM's cache tensor).
         Consecutive rows keep the addresses a scalar base plus loop-invariant offsets. ASM: integer codes
         are dequantized by `_int_dequant_ptx` (GPU only; the interpreter runs the plain-Triton path)."""
         rows = row0 + tl.arange(0, BLOCK_N)
         if KIND == 0:  # bf16 values, used as they are
             d = tl.arange(0, DIM)
-            x = tl.load(codes_ptr + rows[:, None] * DIM + d[None, :], mask=valid[:, None], other=0.0)
+            x = tl.load(codes_ptr + rows[:, None] * ROW + d[None, :], mask=valid[:, None], other=0.0)
             return x.to(tl.bfloat16)
         else:
             # View the tile as [BLOCK_N, groups, bytes per group] so a group's scale broadcasts over its bytes.
@@ -220,9 +224,9 @@ if triton is not None:
             GB: tl.constexpr = GROUP * BITS // 8
             g = tl.arange(0, NG)
             j = tl.arange(0, GB)
-            ptr = codes_ptr + rows[:, None, None] * (DIM * BITS // 8) + g[None, :, None] * GB + j[None, None, :]
+            ptr = codes_ptr + rows[:, None, None] * ROW + g[None, :, None] * GB + j[None, None, :]
             w = tl.load(ptr, mask=valid[:, None, None], other=0)  # uint8 [BLOCK_N, NG, GB]
-            sg = rows[:, None] * NG + g[None, :]
+            sg = rows[:, None] * SZ_ROW + g[None, :]
             if KIND == 1:  # fp8: e4m3 bit patterns times an fp32 group scale
                 v = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 if SCALED:
@@ -328,10 +332,14 @@ if triton is not None:
         C_BITS: tl.constexpr,
         C_GROUP: tl.constexpr,
         C_SCALED: tl.constexpr,
+        C_ROW: tl.constexpr,
+        C_SZ_ROW: tl.constexpr,
         R_KIND: tl.constexpr,
         R_BITS: tl.constexpr,
         R_GROUP: tl.constexpr,
         R_SCALED: tl.constexpr,
+        R_ROW: tl.constexpr,
+        R_SZ_ROW: tl.constexpr,
         PAGE: tl.constexpr,
         SINK: tl.constexpr,
         WINDOW: tl.constexpr,
@@ -385,8 +393,8 @@ if triton is not None:
             pos = pos0 + tl.arange(0, BLOCK_N)
             valid = (pos >= SINK) & (pos < q_hi)
             row0 = tl.load(bt_row + pos0 // PAGE).to(tl.int64) * PAGE + pos0 % PAGE
-            c = _load_tile(cc_ptr, cs_ptr, cz_ptr, row0, valid, DC, C_KIND, C_BITS, C_GROUP, C_SCALED, BLOCK_N, USE_ASM)
-            r = _load_tile(rc_ptr, rs_ptr, rz_ptr, row0, valid, DR, R_KIND, R_BITS, R_GROUP, R_SCALED, BLOCK_N, USE_ASM)
+            c = _load_tile(cc_ptr, cs_ptr, cz_ptr, row0, valid, DC, C_KIND, C_BITS, C_GROUP, C_SCALED, BLOCK_N, USE_ASM, C_ROW, C_SZ_ROW)
+            r = _load_tile(rc_ptr, rs_ptr, rz_ptr, row0, valid, DR, R_KIND, R_BITS, R_GROUP, R_SCALED, BLOCK_N, USE_ASM, R_ROW, R_SZ_ROW)
             m_i, l_i, acc = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T, V_T, F32_DOT)
 
         # Protected BF16 rows (sink + recent ring): the prefix [0, min(L, WINDOW)) of the sequence's slot.
@@ -397,8 +405,8 @@ if triton is not None:
                 offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
                 valid = offs < n_p
                 row0 = row_base + t * BLOCK_N
-                c = _load_tile(pc_ptr, pc_ptr, pc_ptr, row0, valid, DC, 0, 16, DC, False, BLOCK_N, USE_ASM)
-                r = _load_tile(pr_ptr, pr_ptr, pr_ptr, row0, valid, DR, 0, 16, DR, False, BLOCK_N, USE_ASM)
+                c = _load_tile(pc_ptr, pc_ptr, pc_ptr, row0, valid, DC, 0, 16, DC, False, BLOCK_N, USE_ASM, DC, DC)
+                r = _load_tile(pr_ptr, pr_ptr, pr_ptr, row0, valid, DR, 0, 16, DR, False, BLOCK_N, USE_ASM, DR, DR)
                 m_i, l_i, acc = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T, V_T, F32_DOT)
 
         # An empty split (or sequence) stores out = 0, lse = -inf; the combine gives it weight 0.
@@ -446,6 +454,18 @@ def _path_args(path: PagedPath) -> tuple[list[torch.Tensor], tuple[int, int, int
     if path.dim & (path.dim - 1) or group & (group - 1):
         raise ValueError(f"the kernel needs power-of-two dims and groups, got dim {path.dim}, group {group}")
     return [codes, scale, zero], (KIND_CODE[fmt.kind], fmt.bits, group, path.scale is not None)
+
+
+def _row_strides(path: PagedPath) -> tuple[int, int]:
+    """Elements from one pool row to the next in the codes and in the scale/zero pools. A pool [NB, P, width]
+    may have rows further apart than its width (fields of one packed row, as in vLLM's cache tensor), but
+    each row must be contiguous and each block a whole run of rows (stride(0) = P * stride(1))."""
+    for t in path.tensors():
+        if t.stride(-1) != 1 or t.stride(0) != t.shape[1] * t.stride(1):
+            raise ValueError(f"the kernel needs pools of whole contiguous rows, got strides {t.stride()}")
+    if path.scale is not None and path.zero is not None and path.scale.stride(1) != path.zero.stride(1):
+        raise ValueError("the kernel needs the scale and zero pools to share a row stride")
+    return path.codes.stride(1), (path.scale.stride(1) if path.scale is not None else 0)
 
 
 def num_splits_for(batch: int, num_heads: int, max_seq_len: int, cfg: KernelConfig, num_sms: int) -> int:
@@ -531,7 +551,8 @@ def mla_decode(
         qn, qp, *c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope,
         block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
         H, num_splits, sm_scale * LOG2E,
-        dc, dr, *c_const, *r_const, cache.block_size, cache.sink, cache.window,
+        dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
+        cache.block_size, cache.sink, cache.window,
         cfg.block_h, block_n, cfg.scores_t, cfg.values_t, use_asm, _interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
