@@ -240,10 +240,28 @@ def test_plugin_is_used(runs):
     assert "quantmla cache" not in runs["vllm"]["log"]
 
 
+BF16_LOGPROB_TOL = 0.05  # nats: two BF16 implementations of the same attention round differently (seen: <= 0.03)
+
+
 @needs_vllm
 def test_bf16_through_the_plugin_gives_vllms_tokens(runs):
+    """The same greedy tokens as vLLM's own CPU backend, with the same logprobs up to BF16 rounding. Where the
+    two part, vLLM's own distribution must have had a near-tie there: the plugin's pick within the rounding
+    tolerance of vLLM's best (different BF16 arithmetic may break a tie either way; nothing after it is
+    compared)."""
     assert runs["bf16"]["prompt_ids"] == runs["vllm"]["prompt_ids"]
-    assert runs["bf16"]["tokens"] == runs["vllm"]["tokens"]
+    agreed = 0
+    for got, ref, got_lp, ref_lp in zip(runs["bf16"]["tokens"], runs["vllm"]["tokens"], runs["bf16"]["logprobs"],
+                                        runs["vllm"]["logprobs"]):  # fmt: skip
+        k = next((j for j, (a, b) in enumerate(zip(got, ref)) if a != b), len(ref))
+        for j in range(k):
+            tok = str(ref[j])
+            assert abs(got_lp[j][tok] - ref_lp[j][tok]) < BF16_LOGPROB_TOL, (j, got_lp[j][tok], ref_lp[j][tok])
+        if k < len(ref):
+            best, pick = max(ref_lp[k].values()), ref_lp[k].get(str(got[k]), float("-inf"))
+            assert best - pick < 2 * BF16_LOGPROB_TOL, f"tokens part at step {k} without a near-tie: {best} vs {pick}"
+        agreed += k
+    assert agreed >= 0.5 * sum(map(len, runs["vllm"]["tokens"]))
 
 
 @needs_vllm
