@@ -53,7 +53,7 @@ def profile_prefill(model, dev, fmt, prompt_len: int, chunks: list[int], query_b
                     ) -> list[dict]:
     import quantmla.engine.attention as attention
 
-    rows = []
+    rows, default_block = [], attention.QUERY_BLOCK
     for chunk, query_block in [(c, q) for c in chunks for q in query_blocks]:
         attention.QUERY_BLOCK = query_block
         llm = LLM(model, content=fmt[0], rope=fmt[1], device=dev, kv_cache_bytes=None if dev.type == "cpu" else 4 << 30,
@@ -85,6 +85,7 @@ def profile_prefill(model, dev, fmt, prompt_len: int, chunks: list[int], query_b
         del llm
         if dev.type == "cuda":
             torch.cuda.empty_cache()
+    attention.QUERY_BLOCK = default_block  # the decode runs' prefills use the engine's own
     return rows
 
 
@@ -145,7 +146,7 @@ def profile_decode(model, dev, fmt, batch: int, context: int, steps: int, vocab:
 
 
 def markdown(res: dict) -> str:
-    lines = [f"# Engine profile: prefill and decode step\n", f"Card: {res['device']}. Date: {res['date']}. "
+    lines = ["# Engine profile: prefill and decode step\n", f"Card: {res['device']}. Date: {res['date']}. "
              f"torch {res['torch']}. Command: `{res['command']}`.\n", "Model: " + res["model"] + "\n",
              "## Prefill of one prompt\n", "| format | prompt | chunk | query block | wall s | tok/s | host syncs |",
              "|---|---:|---:|---:|---:|---:|---|"]
