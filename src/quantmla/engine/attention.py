@@ -134,26 +134,31 @@ def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hi
     c, k_pe = (x[0] for x in project_cache(attn, layer, hidden, position_embeddings))
     plan = ctx.plans[cache.sink, cache.recent]
     view = cache.write_chunk(ctx.slot, plan.rows, c, k_pe, checked=False, view_dtype=hidden.dtype)
-    served, band = view.c.shape[0], view.band_c.shape[0]
+    served = view.c.shape[0]
+    # Keys in one buffer: served positions, a gap as long as the longest block band, then the chunk's band.
+    # Blocks run last to first and each copies its band just past the served keys it reads (over served
+    # keys only later blocks read), so a block's keys are one prefix of the buffer: no per-block K/V copies.
+    gap = max(blk.band.stop - blk.band.start for blk in plan.blocks)
     all_c, all_r = view.c, view.k_pe
-    if band:
-        all_c, all_r = torch.cat([all_c, view.band_c]), torch.cat([all_r, view.band_r])
+    if gap:
+        all_c = torch.cat([all_c, view.band_c.new_zeros(gap, all_c.shape[1]), view.band_c])
+        all_r = torch.cat([all_r, view.band_r.new_zeros(gap, all_r.shape[1]), view.band_r])
     q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
     q = torch.cat([q_nope, q_pe], dim=-1)
     kv = attn.kv_b_proj(all_c).view(-1, layer.num_heads, layer.nope_dim + layer.v_dim).transpose(0, 1)
     k_nope, v = kv.split([layer.nope_dim, layer.v_dim], dim=-1)
     k = torch.cat([k_nope, all_r[None].expand(layer.num_heads, -1, -1)], dim=-1)
     outs = []
-    for blk in plan.blocks:
-        if blk.band.stop > blk.band.start:
-            band_rows = slice(served + blk.band.start, served + blk.band.stop)
-            kb = torch.cat([k[:, : blk.served], k[:, band_rows]], dim=1)
-            vb = torch.cat([v[:, : blk.served], v[:, band_rows]], dim=1)
-        else:
-            kb, vb = k[:, : blk.served], v[:, : blk.served]
-        outs.append(F.scaled_dot_product_attention(q[:, :, blk.queries], kb[None], vb[None], attn_mask=blk.mask,
-                                                   scale=layer.softmax_scale))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
+    for blk in reversed(plan.blocks):
+        n_band = blk.band.stop - blk.band.start
+        if n_band:
+            src = slice(served + gap + blk.band.start, served + gap + blk.band.stop)
+            k[:, blk.served : blk.served + n_band] = k[:, src]
+            v[:, blk.served : blk.served + n_band] = v[:, src]
+        keys = slice(0, blk.served + n_band)
+        outs.append(F.scaled_dot_product_attention(q[:, :, blk.queries], k[None, :, keys], v[None, :, keys],
+                                                   attn_mask=blk.mask, scale=layer.softmax_scale))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs[::-1], dim=2)
     return attn.o_proj(out.transpose(1, 2).flatten(2))
 
 
