@@ -24,6 +24,7 @@ torch.cuda.current_stream(), so it is CUDA-graph capturable (build it once outsi
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import shutil
@@ -63,6 +64,8 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
         return f"needs kv_lora_rank a multiple of 256, got {dc}"
     if dr % rg or rg % (4 * 32 // rb) or (dr * rb) % 128:
         return f"needs rope dims * bits a multiple of 128 and rope group a multiple of {4 * 32 // rb}, got {dr}, {rg}"
+    if dr // 16 not in (1, 2, 4):
+        return f"needs rope dims of 16, 32 or 64, got {dr}"
     if cache.block_size % NT:
         return f"needs pages of a multiple of {NT} tokens, got {cache.block_size}"
     if cache.window and (cache.protected_content.dtype != torch.bfloat16 or cache.protected_rope.dtype != torch.bfloat16):
@@ -102,6 +105,7 @@ def decode_kernel_name(cache, num_heads: int, device) -> str:
 # --- build ----------------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=None)
 def _nvcc() -> str | None:
     for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"),
                  "/usr/local/cuda/bin/nvcc"):  # fmt: skip
@@ -117,7 +121,7 @@ def _cache_dir() -> Path:
 def build_cubin(defines: dict[str, int], arch: str) -> bytes:
     """nvcc -cubin of mla_decode_int.cu with -D defines for sm_<arch>, through the on-disk cache."""
     src = SRC.read_bytes()
-    opts = ["-std=c++17", "-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    opts = ["-std=c++17", "-O3", "-use_fast_math", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
     opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
     key = hashlib.sha256(src + " ".join(opts).encode()).hexdigest()[:24]
     path = _cache_dir() / f"mla_decode_int_{key}.cubin"
@@ -190,29 +194,40 @@ def _kernel(device: torch.device, defines: dict[str, int]) -> tuple[int, int]:
         return _kernels[key]
 
 
-def _defines(cache) -> dict[str, int]:
+def default_warps(cache) -> int:
+    """Warps per CTA: 8 (each warp 64 content channels; 2 CTAs per SM at <= 128 registers) where dc allows it."""
+    return 8 if cache.kv_lora_rank % 512 == 0 else 4
+
+
+def _defines(cache, warps: int | None = None) -> dict[str, int]:
+    warps = warps or default_warps(cache)
+    if warps not in (4, 8) or cache.kv_lora_rank % (64 * warps) or (cache.rope_dim // 16) > warps:
+        raise ValueError(f"{warps} warps do not fit kv_lora_rank {cache.kv_lora_rank}, rope {cache.rope_dim}")
     return {"CB": _int_bits(cache.content.fmt), "RB": _int_bits(cache.rope.fmt), "DC": cache.kv_lora_rank,
-            "DR": cache.rope_dim, "RG": cache.rope.fmt.group}  # fmt: skip
+            "DR": cache.rope_dim, "RG": cache.rope.fmt.group, "NWARPS": warps,
+            "STAGES": 3 if warps == 4 else 2}  # fmt: skip  (8 warps: 2 stages keep 2 CTAs per SM in shared memory)
 
 
-def prepare(cache, device) -> None:
+def prepare(cache, device, warps: int | None = None) -> None:
     """Build and load the kernel for this cache's formats (do it before capturing a CUDA graph)."""
-    _kernel(torch.device(device), _defines(cache))
+    _kernel(torch.device(device), _defines(cache, warps))
 
 
-def body_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, ctas_per_sm: int = 2,
-                min_split: int = 512) -> int:
-    """Splits of the quantized body per sequence: enough CTAs for ctas_per_sm per SM, none shorter than min_split
-    tokens (each split costs a partial write and read). The protected rows are one more split."""
+def body_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, protected: bool = True,
+                ctas_per_sm: int = 2, min_split: int = 512) -> int:
+    """Splits of the quantized body per sequence: all CTAs (the protected split included) in one wave of
+    ctas_per_sm per SM, none shorter than min_split tokens (each split costs a partial write and read)."""
     ctas = batch * -(-num_heads // 16)
-    want = max(1, round(num_sms * ctas_per_sm / max(ctas, 1)))
+    want = max(1, (num_sms * ctas_per_sm) // max(ctas, 1) - int(protected))
     return max(1, min(want, -(-max(max_seq_len, 1) // min_split)))
 
 
 def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, *, max_seq_len: int,
-                    out_dtype=torch.float32, num_splits: int | None = None, num_sms: int = 132):
+                    out_dtype=torch.float32, num_splits: int | None = None, num_sms: int = 132,
+                    warps: int | None = None):
     """The CUDA kernel + the Triton split combine. Contract: the module docstring. num_splits: body splits
-    (default `body_splits`); max_seq_len: an upper bound on seq_lens (sizes the splits; no host sync)."""
+    (default `body_splits`); max_seq_len: an upper bound on seq_lens (sizes the splits; no host sync);
+    warps: 4 or 8 per CTA (default `default_warps`)."""
     from quantmla.kernels.mla_decode import LOG2E, _combine_kernel  # the Triton combine, shared
 
     reason = unsupported_reason(cache, q_nope_absorbed.shape[1], q_nope_absorbed.device)
@@ -220,7 +235,8 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
         raise ValueError(f"the CUDA decode kernel cannot run this: {reason}")
     B, H, dc = q_nope_absorbed.shape
     dev = q_nope_absorbed.device
-    fn, smem = _kernel(dev, _defines(cache))
+    defs = _defines(cache, warps)
+    fn, smem = _kernel(dev, defs)
     qn, qp = q_nope_absorbed, q_pe
     if qn.dtype not in (torch.bfloat16, torch.float32):
         qn = qn.float()
@@ -232,7 +248,7 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
         bt = bt.contiguous()
     lens = seq_lens.int().contiguous()
     slots = (torch.arange(B, dtype=torch.int32, device=dev) if slots is None else slots).int().contiguous()
-    nsb = num_splits or body_splits(B, H, max_seq_len, num_sms)
+    nsb = num_splits or body_splits(B, H, max_seq_len, num_sms, protected=cache.window > 0)
     nst = nsb + (1 if cache.window else 0)
     out = torch.empty(B, H, dc, dtype=out_dtype, device=dev)
     lse = torch.empty(B, H, dtype=torch.float32, device=dev)
@@ -256,9 +272,10 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
     ]  # fmt: skip
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(dev).cuda_stream
-    _check(_cu().cuLaunchKernel(P(fn), nst, B, -(-H // 16), 128, 1, 1, smem, P(stream), params, None), "cuLaunchKernel")
+    _check(_cu().cuLaunchKernel(P(fn), nst, B, -(-H // 16), 32 * defs["NWARPS"], 1, 1, smem, P(stream), params, None), "cuLaunchKernel")
     _combine_kernel[(H, B)](po, plse, out, lse, H, nst, dc, num_warps=4)
     return out, lse
 
 
-__all__ = ["ENV", "body_splits", "decode_kernel_name", "mla_decode_cuda", "prepare", "unsupported_reason"]
+__all__ = ["ENV", "body_splits", "decode_kernel_name", "default_warps", "mla_decode_cuda", "prepare",
+           "unsupported_reason"]

@@ -2,25 +2,26 @@
 // codes turned straight into tensor-core operand registers. Launcher and contract: mla_decode_cuda.py.
 //
 // Compile-time config (-D): CB, RB (content / rope bits: 4 or 2), DC, DR (dims), RG (rope group).
-// The content group is 64 channels. One CTA = (split, sequence, head block of 16), 4 warps, tiles of
+// The content group is 64 channels. One CTA = (split, sequence, head block of 16), NWARPS warps, tiles of
 // NT = 64 tokens (one block-table entry each: the page is a multiple of 64).
 //
 // Per tile:
-//   scores  S[16 heads, 64 tokens]: the channel (K) dimension split over the warps (warp w: content
-//           channels [DC/4 w, DC/4 (w+1)); the rope of token n8-tiles w and w+4). B operands are the raw
+//   scores  S[16 heads, 64 tokens]: the channel (K) dimension split over the NWARPS warps (warp w: content
+//           channels [SLICE w, SLICE (w+1)); rope k16 step w mod (DR/16) for a share of the token n8-tiles).
+//           B operands are the raw
 //           codes as bf16 128 + code (lop3 into the mantissa of 128.0, exact); one mma chain per 64-channel
 //           group, then S += scale * acc + (zero - 128 scale) * sum(q over the group)  (fp32, exact scale).
 //           A dot product does not care how k is ordered, so the k slots of a fragment are assigned to
 //           channels that make each thread's codes whole 32-bit words; q's A fragments use the same map.
-//   softmax the 4 warps' partial scores are summed through shared memory (each warp sums 16 tokens), the
+//   softmax the warps' partial scores are summed through shared memory (each warp sums 64/NWARPS tokens), the
 //           tile max per head is exchanged, P (bf16) goes to shared memory.
-//   values  O[16, DC] += P c: the channel (N) dimension split over the warps (warp w: its DC/4 channels).
+//   values  O[16, DC] += P c: the channel (N) dimension split over the warps (warp w: its SLICE channels).
 //           B operands are again 128 + code (two tokens' bytes side by side by one prmt); the per-token,
 //           per-group scale moves into A: P'_g = P * scale[., g]; then O -= 136 * sum_n P'_g (an mma with
 //           a constant B) and O += sum_n P * (zero + 8 scale) (an mma with B = the centred zeros, hi + lo).
 // Protected BF16 rows (sink + recent window) are read straight from global memory by one extra split per
 // sequence (split index nsb), through the same fragment maps (scale 1, zero 0).
-// Codes of body tiles are staged in shared memory by cp.async, 3 stages; the scales and zeros of the next
+// Codes of body tiles are staged in shared memory by cp.async (STAGES deep); the scales and zeros of the next
 // tile are loaded into registers one tile ahead and converted when stored to shared memory.
 
 #include <cuda_bf16.h>
@@ -43,9 +44,14 @@
 #define RG 64
 #endif
 
+#ifndef NWARPS
+#define NWARPS 4     // 4 or 8 (8: DC a multiple of 512)
+#endif
+#ifndef STAGES
+#define STAGES 3     // shared-memory stages of codes (cp.async ring)
+#endif
 #define NT 64        // tokens per tile
-#define NTHREADS 128 // 4 warps
-#define STAGES 3
+#define NTHREADS (32 * NWARPS)
 
 constexpr int CPW_C = 32 / CB;            // codes per 32-bit word
 constexpr int CPW_R = 32 / RB;
@@ -53,7 +59,7 @@ constexpr int CROWB = DC * CB / 8;        // code bytes of one token
 constexpr int RROWB = DR * RB / 8;
 constexpr int CRS = CROWB + 16;           // shared-memory row strides: +16 B keeps the reads conflict-free
 constexpr int RRS = RROWB + 16;
-constexpr int SLICE = DC / 4;             // content channels of one warp
+constexpr int SLICE = DC / NWARPS;        // content channels of one warp
 constexpr int GPW = SLICE / 64;           // content groups of one warp
 constexpr int NGC = DC / 64;              // content groups
 constexpr int NGR = DR / RG;              // rope groups
@@ -65,11 +71,15 @@ constexpr int NWR = WR / 4;
 constexpr int SPW_R = CPW_R / 4;
 constexpr int KSC = GPW * NWC * SPW_C;    // content k16 steps of one warp (= SLICE / 16)
 constexpr int KSR = NWR * SPW_R;          // rope k16 steps (= DR / 16)
+constexpr int TPW = NT / 8 / NWARPS;      // score n8 tiles each warp owns in the softmax
+constexpr int RWG = NWARPS / KSR;         // warps sharing one rope k16 step (they split the token tiles)
 constexpr int PS = NT + 8;                // row stride (elements) of the score / P / scale buffers
 constexpr int SZS = NT + 4;               // row stride of the per-group scale buffers
 constexpr uint32_t KMID = (0x4300u | (1u << (CB - 1))) * 0x00010001u;  // bf16x2 (128 + mid, 128 + mid)
 
-static_assert(GPW >= 1 && SLICE % 64 == 0, "content: DC/4 must be a multiple of the 64-channel group");
+static_assert(GPW >= 1 && SLICE % 64 == 0, "content: DC/NWARPS must be a multiple of the 64-channel group");
+static_assert(TPW >= 1 && STAGES >= 2, "tile / warp layout");
+static_assert(NWARPS % KSR == 0 && (NT / 8) % RWG == 0, "rope: DR / 16 must divide the warp count");
 static_assert(NWR >= 1 && WR % 4 == 0, "rope: DR * RB must be a multiple of 128 bits");
 static_assert(RG % (4 * CPW_R) == 0 && DR % RG == 0, "rope group: a multiple of 4 words' channels");
 static_assert(KSC * 16 == SLICE && KSR * 16 == DR, "fragment map");
@@ -84,10 +94,10 @@ struct Smem {
   __nv_bfloat16 cs_b[2][NGC * SZS];       // values: content scale (bf16)
   __nv_bfloat16 czh[2][NGC * SZS];        //         centred zero z + mid * scale, hi part
   __nv_bfloat16 czl[2][NGC * SZS];        //         and lo part
-  float red[4][16 * PS];                  // per-warp partial scores
+  float red[NWARPS][16 * PS];             // per-warp partial scores
   __nv_bfloat16 p[16 * PS];               // P of the tile, [head][token]
-  float mx[4][16];                        // per-warp tile max per head
-  float lsum[4][16];
+  float mx[NWARPS][16];                   // per-warp tile max per head
+  float lsum[NWARPS][16];
 };
 
 // sizeof(Smem), read by the launcher (the dynamic shared memory of a CTA).
@@ -205,12 +215,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   }
 
   // q as A fragments (bf16), with the fragment maps above; sums of q over each group (fp32).
-  uint32_t qa_c[KSC][4], qa_r[KSR][4];
-  float qsum_c[GPW][2], qsum_r[NGR][2];
+  // The rope is split by k16 step and token tile: warp w computes step RK = w % KSR of the rope scores for
+  // the token n8-tiles j with j % RWG == w / KSR.
+  const int RK = w % KSR, mm_r = RK / SPW_R, sl_r = RK % SPW_R, wi_r = t + 4 * mm_r;
+  const int rg_r = (4 * mm_r * CPW_R) / RG;
+  uint32_t qa_c[KSC][4], qa_r[4];
+  float qsum_c[GPW][2], qsum_r[2] = {0.f, 0.f};
 #pragma unroll
   for (int i = 0; i < GPW; ++i) qsum_c[i][0] = qsum_c[i][1] = 0.f;
-#pragma unroll
-  for (int i = 0; i < NGR; ++i) qsum_r[i][0] = qsum_r[i][1] = 0.f;
   {
     auto ldq = [&](const void* base, int dim, int h, int ch) -> float {
       if (h0 + h >= H) return 0.f;
@@ -232,16 +244,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       }
     }
 #pragma unroll
-    for (int ks = 0; ks < KSR; ++ks) {
-      const int rg = (4 * (ks / SPW_R) * CPW_R) / RG;
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {
-        const int h = g + 8 * (r & 1), hi = r >> 1;
-        const float x0 = ldq(qp_ptr, DR, h, qr_channel(ks, t, 0, hi));
-        const float x1 = ldq(qp_ptr, DR, h, qr_channel(ks, t, 1, hi));
-        qa_r[ks][r] = pack_bf16(x0, x1);
-        qsum_r[rg][r & 1] += x0 + x1;
-      }
+    for (int r = 0; r < 4; ++r) {
+      const int h = g + 8 * (r & 1), hi = r >> 1;
+      const float x0 = ldq(qp_ptr, DR, h, qr_channel(RK, t, 0, hi));
+      const float x1 = ldq(qp_ptr, DR, h, qr_channel(RK, t, 1, hi));
+      qa_r[r] = pack_bf16(x0, x1);
+      qsum_r[r & 1] += x0 + x1;
     }
     // Each group's channels are spread over the 4 lanes of a row: sum them.
 #pragma unroll
@@ -252,12 +260,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         qsum_c[i][r] += __shfl_xor_sync(0xffffffffu, qsum_c[i][r], 2);
       }
 #pragma unroll
-    for (int i = 0; i < NGR; ++i)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        qsum_r[i][r] += __shfl_xor_sync(0xffffffffu, qsum_r[i][r], 1);
-        qsum_r[i][r] += __shfl_xor_sync(0xffffffffu, qsum_r[i][r], 2);
-      }
+    for (int r = 0; r < 2; ++r) {  // the partial sum over this warp's rope k-step
+      qsum_r[r] += __shfl_xor_sync(0xffffffffu, qsum_r[r], 1);
+      qsum_r[r] += __shfl_xor_sync(0xffffffffu, qsum_r[r], 2);
+    }
   }
 
   float o[GPW * 8][4], corr[GPW][4], zacc[4];
@@ -326,46 +332,27 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
           s[j][0] += acc[0]; s[j][1] += acc[1]; s[j][2] += acc[2]; s[j][3] += acc[3];
         }
       }
-      if ((j & 3) == w) {  // the rope of tiles w and w+4: whole rope rows (K not split)
-        float acc[NGR][4];
+      if (j % RWG == w / KSR) {  // the rope: this warp's k16 step RK for its share of the token tiles
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        if constexpr (!P) {
+          const uint32_t y = *reinterpret_cast<const uint32_t*>(src + tok * RRS + 4 * wi_r);
+          mma(acc, qa_r, codes2<RB>(y, RB * 2 * sl_r), codes2<RB>(y, RB * (2 * sl_r + 1)));
+          const float2 sc = *reinterpret_cast<const float2*>(&sm.rs_f[szb][rg_r * SZS + 8 * j + 2 * t]);
+          const float2 zc = *reinterpret_cast<const float2*>(&sm.rz_f[szb][rg_r * SZS + 8 * j + 2 * t]);
+          s[j][0] += sc.x * acc[0] + zc.x * qsum_r[0];
+          s[j][1] += sc.y * acc[1] + zc.y * qsum_r[0];
+          s[j][2] += sc.x * acc[2] + zc.x * qsum_r[1];
+          s[j][3] += sc.y * acc[3] + zc.y * qsum_r[1];
+        } else {  // the same k slots from the bf16 row: channels wi_r * CPW + 2 sl + hi + kp * CPW / 2
+          uint32_t b[2];
 #pragma unroll
-        for (int rg = 0; rg < NGR; ++rg) acc[rg][0] = acc[rg][1] = acc[rg][2] = acc[rg][3] = 0.f;
-#pragma unroll
-        for (int mm = 0; mm < NWR; ++mm) {
-          const int wi = t + 4 * mm;
-          const int rg = (4 * mm * CPW_R) / RG;
-          if constexpr (!P) {
-            const uint32_t y = *reinterpret_cast<const uint32_t*>(src + tok * RRS + 4 * wi);
-#pragma unroll
-            for (int sl = 0; sl < SPW_R; ++sl)
-              mma(acc[rg], qa_r[mm * SPW_R + sl], codes2<RB>(y, RB * 2 * sl), codes2<RB>(y, RB * (2 * sl + 1)));
-          } else {
-            uint32_t v[CPW_R / 2];
-#pragma unroll
-            for (int q = 0; q < CPW_R / 8; ++q) {
-              uint4 u = tv ? ld_u4(gpr + (long long)tok * DR + wi * CPW_R + 8 * q) : make_uint4(0, 0, 0, 0);
-              v[4 * q] = u.x; v[4 * q + 1] = u.y; v[4 * q + 2] = u.z; v[4 * q + 3] = u.w;
-            }
-#pragma unroll
-            for (int sl = 0; sl < SPW_R; ++sl) {
-              const int p0 = 2 * sl, p1 = 2 * sl + 1, hf = CPW_R / 2;
-              mma(acc[rg], qa_r[mm * SPW_R + sl], __byte_perm(v[p0 / 2], v[(p0 + hf) / 2], (p0 & 1) ? 0x7632 : 0x5410),
-                  __byte_perm(v[p1 / 2], v[(p1 + hf) / 2], (p1 & 1) ? 0x7632 : 0x5410));
-            }
+          for (int hi = 0; hi < 2; ++hi) {
+            const int ch = wi_r * CPW_R + 2 * sl_r + hi;
+            const unsigned short* rp = reinterpret_cast<const unsigned short*>(gpr + (long long)tok * DR);
+            b[hi] = tv ? (uint32_t)__ldg(rp + ch) | ((uint32_t)__ldg(rp + ch + CPW_R / 2) << 16) : 0u;
           }
-        }
-#pragma unroll
-        for (int rg = 0; rg < NGR; ++rg) {
-          if constexpr (!P) {
-            const float2 sc = *reinterpret_cast<const float2*>(&sm.rs_f[szb][rg * SZS + 8 * j + 2 * t]);
-            const float2 zc = *reinterpret_cast<const float2*>(&sm.rz_f[szb][rg * SZS + 8 * j + 2 * t]);
-            s[j][0] += sc.x * acc[rg][0] + zc.x * qsum_r[rg][0];
-            s[j][1] += sc.y * acc[rg][1] + zc.y * qsum_r[rg][0];
-            s[j][2] += sc.x * acc[rg][2] + zc.x * qsum_r[rg][1];
-            s[j][3] += sc.y * acc[rg][3] + zc.y * qsum_r[rg][1];
-          } else {
-            s[j][0] += acc[rg][0]; s[j][1] += acc[rg][1]; s[j][2] += acc[rg][2]; s[j][3] += acc[rg][3];
-          }
+          mma(acc, qa_r, b[0], b[1]);
+          s[j][0] += acc[0]; s[j][1] += acc[1]; s[j][2] += acc[2]; s[j][3] += acc[3];
         }
       }
       *reinterpret_cast<float2*>(&sm.red[w][g * PS + 8 * j + 2 * t]) = make_float2(s[j][0], s[j][1]);
@@ -373,17 +360,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     }
     __syncthreads();
 
-    // ---- softmax: warp w owns tokens [16w, 16w + 16) (score tiles 2w, 2w+1)
-    float x[2][4];
+    // ---- softmax: warp w owns score tiles [TPW w, TPW (w + 1)) (8 TPW tokens)
+    float x[TPW][4];
     float mloc[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int jj = 0; jj < 2; ++jj) {
-      const int col = 8 * (2 * w + jj) + 2 * t;
+    for (int jj = 0; jj < TPW; ++jj) {
+      const int col = 8 * (TPW * w + jj) + 2 * t;
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float2 acc = make_float2(0.f, 0.f);
 #pragma unroll
-        for (int ww = 0; ww < 4; ++ww) {
+        for (int ww = 0; ww < NWARPS; ++ww) {
           const float2 v = *reinterpret_cast<const float2*>(&sm.red[ww][(g + 8 * r) * PS + col]);
           acc.x += v.x;
           acc.y += v.y;
@@ -407,16 +394,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int h = g + 8 * r;
-      const float mt = fmaxf(fmaxf(sm.mx[0][h], sm.mx[1][h]), fmaxf(sm.mx[2][h], sm.mx[3][h]));
+      float mt = sm.mx[0][h];
+#pragma unroll
+      for (int ww = 1; ww < NWARPS; ++ww) mt = fmaxf(mt, sm.mx[ww][h]);
       const float m_new = fmaxf(m_i[r], mt);  // finite: every tile holds a valid token
       alpha[r] = exp2f(m_i[r] - m_new);
       m_i[r] = m_new;
       float ls = 0.f;
 #pragma unroll
-      for (int jj = 0; jj < 2; ++jj) {
+      for (int jj = 0; jj < TPW; ++jj) {
         const float p0 = exp2f(x[jj][2 * r] - m_new), p1 = exp2f(x[jj][2 * r + 1] - m_new);
         ls += p0 + p1;
-        *reinterpret_cast<uint32_t*>(&sm.p[h * PS + 8 * (2 * w + jj) + 2 * t]) = pack_bf16(p0, p1);
+        *reinterpret_cast<uint32_t*>(&sm.p[h * PS + 8 * (TPW * w + jj) + 2 * t]) = pack_bf16(p0, p1);
       }
       l_i[r] = l_i[r] * alpha[r] + ls;
     }
@@ -585,14 +574,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       }
     };
 
-    issue(tb);
-    issue(tb + 1);
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) issue(tb + i);
     load_sz(tb);
     store_sz(tb);
     for (int tt = tb; tt < te; ++tt) {
-      cp_wait<1>();
+      cp_wait<STAGES - 2>();
       __syncthreads();  // tile tt's codes and scales are in; everyone is done with tile tt-1
-      issue(tt + 2);
+      issue(tt + STAGES - 1);
       load_sz(tt + 1);
       const int pos0 = (tt + t_lo) * NT;
       const int vlo = max(sink - pos0, 0), vhi = min(q_hi - pos0, NT);
@@ -627,7 +616,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int h = g + 8 * r;
-    const float l = sm.lsum[0][h] + sm.lsum[1][h] + sm.lsum[2][h] + sm.lsum[3][h];
+    float l = 0.f;
+#pragma unroll
+    for (int ww = 0; ww < NWARPS; ++ww) l += sm.lsum[ww][h];
     const bool ok = l > 0.f;
     const float inv = ok ? 1.f / l : 0.f;
     if (w == 0 && t == 0 && h0 + h < H)
