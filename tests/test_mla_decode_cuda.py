@@ -206,6 +206,8 @@ def test_dispatch_and_refusals(monkeypatch):
     cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, [100], page=64, recent=128)
     dev = torch.device("cuda")
     monkeypatch.delenv(mdc.ENV, raising=False)
+    assert mdc.decode_kernel_name(cache, 16, dev) == "triton"  # opt-in until it is faster
+    monkeypatch.setattr(mdc, "AUTO_CUDA_MAX_HEADS", 16)  # the auto policy once it is on
     assert mdc.decode_kernel_name(cache, 16, dev) == "cuda"
     assert mdc.decode_kernel_name(cache, 128, dev) == "triton"
     assert mdc.decode_kernel_name(cache, 16, torch.device("cpu")) == "triton"
@@ -223,9 +225,10 @@ def test_dispatch_and_refusals(monkeypatch):
             q = torch.zeros(1, 16, c.kv_lora_rank, device=dev)
             mdc.mla_decode_cuda(q, torch.zeros(1, 16, c.rope_dim, device=dev), c, table, seq_lens, slots, 0.1,
                                 max_seq_len=100)  # fmt: skip
-    # mla_decode goes to the CUDA kernel by default here, and agrees with the Triton one
+    # mla_decode through the CUDA kernel when asked, and through Triton
     qn, qp = queries(1, 16, 512, 64)
     ref = mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05)
+    monkeypatch.setenv(mdc.ENV, "cuda")
     check(*mla_decode(qn, qp, cache, table, seq_lens, slots, 0.05), *ref)
     monkeypatch.setenv(mdc.ENV, "triton")
     check(*mla_decode(qn, qp, cache, table, seq_lens, slots, 0.05), *ref)

@@ -516,10 +516,9 @@ def mla_decode(
         sequence; default arange(B)), sm_scale: softmax scale.
     max_seq_len: an upper bound on seq_lens, used to size the split; pass it (no host sync) when capturing
         a CUDA graph; None reads seq_lens.max() (one sync).
-    Kernel: `decode_kernel_name` (the CUDA kernel of `mla_decode_cuda` for integer caches and few heads where
-        it is supported, else this module's Triton kernel; $QUANTMLA_DECODE_KERNEL=triton|cuda|auto forces
-        one); an explicit `config` always means Triton. num_splits: Triton's splits, or the CUDA kernel's body
-        splits.
+    Kernel: `decode_kernel_name` says which: this module's Triton kernel, or with $QUANTMLA_DECODE_KERNEL=cuda
+        the CUDA kernel of `mla_decode_cuda` (integer caches, few heads; opt-in: not yet faster on the H200);
+        an explicit `config` always means Triton. num_splits: Triton's splits, or the CUDA kernel's body splits.
     Returns out [B, H, dc] in out_dtype (fp32 or bf16) and lse [B, H] fp32 (natural log; -inf if L = 0).
     """
     if triton is None:

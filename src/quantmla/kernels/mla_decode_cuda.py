@@ -13,7 +13,15 @@ What it takes (`unsupported_reason` says why not, and the Triton kernel then run
   - pools of whole contiguous rows (row strides may exceed the width, as in vLLM's packed rows), code rows
     16-byte aligned; scale and zero with one row stride.
 Heads are processed 16 per CTA (padded): the kernel reads the cache once per 16 heads, so it is meant for
-H <= 16 (`decode_kernel_name` picks it only there).
+H <= 16.
+
+Measured (H200, benchmarks/results/decode_kernel_cuda.md): correct (tests/test_mla_decode_cuda.py, 34 cases,
+CUDA-graph replay included; rms error 1.6-2.2e-3 against fp64, the Triton INT4 kernel's 4-7e-3) but not yet fast:
+with 16 heads it runs at 0.54-0.89x the Triton bf16 kernel (8 warps; 4 warps are slower still), below the
+Triton INT4 kernel's 0.68-0.91x, so `mla_decode` uses it only when asked ($QUANTMLA_DECODE_KERNEL=cuda).
+It is latency- and instruction-bound, not byte-bound (Nsight Compute, B=16, 64K: DRAM 17 % busy, issue slots
+42 % busy, 4 warps per scheduler, ~160 warp instructions per cached token); the notes in
+decode_kernel_cuda.md say where they go.
 
 Build: nvcc -cubin for the device's architecture, one binary per (bits, dims, rope group), cached on disk under
 $QUANTMLA_CACHE_DIR (default ~/.cache/quantmla/cuda), keyed by the source's hash and the options; loaded with the
@@ -38,8 +46,10 @@ import torch
 SRC = Path(__file__).with_name("mla_decode_int.cu")
 NT = 64  # tokens per tile (a page must hold whole tiles)
 ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | auto
-# Where "auto" picks the CUDA kernel: heads per call (it reads the cache once per 16 heads).
-AUTO_MAX_HEADS = 16
+# Heads per call up to which "auto" picks the CUDA kernel (it reads the cache once per 16 heads); 0: never.
+# It is 0 because on the H200 the CUDA kernel is not faster than the Triton one yet
+# (benchmarks/results/decode_kernel_cuda.md: 0.54-0.89x the bf16 kernel, Triton INT4 0.68-0.91x).
+AUTO_CUDA_MAX_HEADS = 0
 
 
 def _int_bits(fmt) -> int | None:
@@ -89,7 +99,8 @@ def decode_kernel_name(cache, num_heads: int, device) -> str:
     """Which kernel `mla_decode` runs for this cache, head count and device: "cuda" or "triton".
 
     $QUANTMLA_DECODE_KERNEL: "triton" always Triton; "cuda" the CUDA kernel (mla_decode raises if it cannot
-    run); "auto" (default) the CUDA kernel where it is supported and num_heads <= AUTO_MAX_HEADS."""
+    run); "auto" (default) the CUDA kernel where it is supported and num_heads <= AUTO_CUDA_MAX_HEADS (0 for
+    now: the CUDA kernel is opt-in until it is measured faster)."""
     choice = os.environ.get(ENV, "auto").lower()
     if choice not in ("triton", "cuda", "auto"):
         raise ValueError(f"{ENV} must be triton, cuda or auto, got {choice!r}")
@@ -97,7 +108,7 @@ def decode_kernel_name(cache, num_heads: int, device) -> str:
         return "triton"
     if choice == "cuda":
         return "cuda"
-    if num_heads <= AUTO_MAX_HEADS and unsupported_reason(cache, num_heads, device) is None:
+    if num_heads <= AUTO_CUDA_MAX_HEADS and unsupported_reason(cache, num_heads, device) is None:
         return "cuda"
     return "triton"
 

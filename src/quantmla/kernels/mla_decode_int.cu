@@ -23,6 +23,10 @@
 // sequence (split index nsb), through the same fragment maps (scale 1, zero 0).
 // Codes of body tiles are staged in shared memory by cp.async (STAGES deep); the scales and zeros of the next
 // tile are loaded into registers one tile ahead and converted when stored to shared memory.
+//
+// Status (H200, benchmarks/results/decode_kernel_cuda.md): correct, but slower than the Triton kernel
+// (INT4/INT4, 16 heads: 0.54-0.84x the bf16 kernel at >= 16K); latency- and instruction-bound (~160 warp
+// instructions per cached token, a third of them address arithmetic of the staging loops). Opt-in.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
