@@ -4,6 +4,8 @@
 layer's decode step around it (projections, cache write, o_proj) is `quantmla.decode_step.decode_step`.
 `append_decode_fused`: the decode step's cache write in one launch; its reference is
 `PagedMLACache.append_decode`.
+`mla_decode_cuda` (module): a CUDA kernel for the same decode over int4/int2 caches with few heads (nvcc +
+ctypes, opt-in through $QUANTMLA_DECODE_KERNEL=cuda; `decode_kernel_name` says which kernel runs).
 """
 
 from quantmla.kernels.cache_write import append_decode_fused

@@ -59,6 +59,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 from quantmla.cache.paged import PagedMLACache, PagedPath
+from quantmla.kernels.mla_decode_cuda import decode_kernel_name, mla_decode_cuda
 from quantmla.mla import latent_attention
 
 LOG2E = 1.4426950408889634
@@ -515,6 +516,9 @@ def mla_decode(
         sequence; default arange(B)), sm_scale: softmax scale.
     max_seq_len: an upper bound on seq_lens, used to size the split; pass it (no host sync) when capturing
         a CUDA graph; None reads seq_lens.max() (one sync).
+    Kernel: `decode_kernel_name` says which: this module's Triton kernel, or with $QUANTMLA_DECODE_KERNEL=cuda
+        the CUDA kernel of `mla_decode_cuda` (integer caches, few heads; opt-in: not yet faster on the H200);
+        an explicit `config` always means Triton. num_splits: Triton's splits, or the CUDA kernel's body splits.
     Returns out [B, H, dc] in out_dtype (fp32 or bf16) and lse [B, H] fp32 (natural log; -inf if L = 0).
     """
     if triton is None:
@@ -524,9 +528,13 @@ def mla_decode(
     if (dc, dr) != (cache.kv_lora_rank, cache.rope_dim) or q_pe.shape[:2] != (B, H):
         raise ValueError(f"queries {tuple(q_nope_absorbed.shape)}/{tuple(q_pe.shape)} do not match the cache")
     dev = q_nope_absorbed.device
-    cfg = config or default_config(cache, H)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if B else 0
+    if config is None and decode_kernel_name(cache, H, dev) == "cuda":
+        return mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale,
+                               max_seq_len=max_seq_len, out_dtype=out_dtype, num_splits=num_splits,
+                               num_sms=_sm_count(dev))  # fmt: skip
+    cfg = config or default_config(cache, H)
     if num_splits is None:
         num_splits = num_splits_for(B, H, max_seq_len, cfg, _sm_count(dev))
     if slots is None:

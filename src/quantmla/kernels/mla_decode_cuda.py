@@ -1,0 +1,292 @@
+"""CUDA decode kernel for few heads over the integer paged cache (`mla_decode_int.cu`), and its launcher.
+
+Same contract as `quantmla.kernels.mla_decode.mla_decode` (which calls `mla_decode_cuda` when
+`decode_kernel_name` says "cuda"): q_nope_absorbed [B, H, dc] and q_pe [B, H, dr] (bf16 or fp32), a
+`PagedMLACache`, block_tables int32 [B, max_blocks], seq_lens int32 [B] (0 allowed), slots int32 [B],
+sm_scale -> out [B, H, dc] (out_dtype), lse [B, H] fp32 (natural log, -inf for an empty sequence).
+
+What it takes (`unsupported_reason` says why not, and the Triton kernel then runs):
+  - a CUDA device of compute capability >= 8.0 and `nvcc` (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin);
+  - content and rope both int4 or int2 (asymmetric: fp16 scale + zero per group), content group 64, rope group
+    a multiple of 32 (int4) or 64 (int2) channels; dc a multiple of 256, dr * bits a multiple of 128;
+  - pages of a multiple of 64 tokens; protected rows in bf16;
+  - pools of whole contiguous rows (row strides may exceed the width, as in vLLM's packed rows), code rows
+    16-byte aligned; scale and zero with one row stride.
+Heads are processed 16 per CTA (padded): the kernel reads the cache once per 16 heads, so it is meant for
+H <= 16.
+
+Measured (H200, benchmarks/results/decode_kernel_cuda.md): correct (tests/test_mla_decode_cuda.py, 34 cases,
+CUDA-graph replay included; rms error 1.6-2.2e-3 against fp64, the Triton INT4 kernel's 4-7e-3) but not yet fast:
+with 16 heads it runs at 0.54-0.89x the Triton bf16 kernel (8 warps; 4 warps are slower still), below the
+Triton INT4 kernel's 0.68-0.91x, so `mla_decode` uses it only when asked ($QUANTMLA_DECODE_KERNEL=cuda).
+It is latency- and instruction-bound, not byte-bound (Nsight Compute, B=16, 64K: DRAM 17 % busy, issue slots
+42 % busy, 4 warps per scheduler, ~160 warp instructions per cached token); the notes in
+decode_kernel_cuda.md say where they go.
+
+Build: nvcc -cubin for the device's architecture, one binary per (bits, dims, rope group), cached on disk under
+$QUANTMLA_CACHE_DIR (default ~/.cache/quantmla/cuda), keyed by the source's hash and the options; loaded with the
+CUDA driver API through ctypes into the current (PyTorch's primary) context; launched on
+torch.cuda.current_stream(), so it is CUDA-graph capturable (build it once outside the capture).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+SRC = Path(__file__).with_name("mla_decode_int.cu")
+NT = 64  # tokens per tile (a page must hold whole tiles)
+ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | auto
+# Heads per call up to which "auto" picks the CUDA kernel (it reads the cache once per 16 heads); 0: never.
+# It is 0 because on the H200 the CUDA kernel is not faster than the Triton one yet
+# (benchmarks/results/decode_kernel_cuda.md: 0.54-0.89x the bf16 kernel, Triton INT4 0.68-0.91x).
+AUTO_CUDA_MAX_HEADS = 0
+
+
+def _int_bits(fmt) -> int | None:
+    return {"int4": 4, "int2": 2}.get(fmt.kind)
+
+
+def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | None:
+    """None when `mla_decode_cuda` can run this cache on this device, else why not (one sentence)."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return "not a CUDA device"
+    if torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs compute capability >= 8.0 (mma.sync bf16)"
+    cb, rb = _int_bits(cache.content.fmt), _int_bits(cache.rope.fmt)
+    if cb is None or rb is None:
+        return f"needs int4/int2 on both paths, got {cache.content.fmt.kind}/{cache.rope.fmt.kind}"
+    dc, dr = cache.kv_lora_rank, cache.rope_dim
+    cg, rg = cache.content.fmt.group, cache.rope.fmt.group
+    if cg != 64:
+        return f"needs content group 64, got {cg}"
+    if dc % 256:
+        return f"needs kv_lora_rank a multiple of 256, got {dc}"
+    if dr % rg or rg % (4 * 32 // rb) or (dr * rb) % 128:
+        return f"needs rope dims * bits a multiple of 128 and rope group a multiple of {4 * 32 // rb}, got {dr}, {rg}"
+    if dr // 16 not in (1, 2, 4):
+        return f"needs rope dims of 16, 32 or 64, got {dr}"
+    if cache.block_size % NT:
+        return f"needs pages of a multiple of {NT} tokens, got {cache.block_size}"
+    if cache.window and (cache.protected_content.dtype != torch.bfloat16 or cache.protected_rope.dtype != torch.bfloat16):
+        return "needs bf16 protected rows"
+    if not (cache.protected_content.is_contiguous() and cache.protected_rope.is_contiguous()):
+        return "needs contiguous protected rows"
+    for path in (cache.content, cache.rope):
+        for t in path.tensors():
+            if t.stride(-1) != 1 or t.stride(0) != t.shape[1] * t.stride(1):
+                return f"needs pools of whole contiguous rows, got strides {t.stride()}"
+        if path.codes.stride(1) % 16 or path.codes.data_ptr() % 16:
+            return "needs 16-byte aligned code rows"
+        if path.scale.stride(1) != path.zero.stride(1):
+            return "needs the scale and zero pools to share a row stride"
+    if _nvcc() is None:
+        return "nvcc not found"
+    return None
+
+
+def decode_kernel_name(cache, num_heads: int, device) -> str:
+    """Which kernel `mla_decode` runs for this cache, head count and device: "cuda" or "triton".
+
+    $QUANTMLA_DECODE_KERNEL: "triton" always Triton; "cuda" the CUDA kernel (mla_decode raises if it cannot
+    run); "auto" (default) the CUDA kernel where it is supported and num_heads <= AUTO_CUDA_MAX_HEADS (0 for
+    now: the CUDA kernel is opt-in until it is measured faster)."""
+    choice = os.environ.get(ENV, "auto").lower()
+    if choice not in ("triton", "cuda", "auto"):
+        raise ValueError(f"{ENV} must be triton, cuda or auto, got {choice!r}")
+    if choice == "triton":
+        return "triton"
+    if choice == "cuda":
+        return "cuda"
+    if num_heads <= AUTO_CUDA_MAX_HEADS and unsupported_reason(cache, num_heads, device) is None:
+        return "cuda"
+    return "triton"
+
+
+# --- build ----------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _nvcc() -> str | None:
+    for cand in (shutil.which("nvcc"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc"),
+                 "/usr/local/cuda/bin/nvcc"):  # fmt: skip
+        if cand and os.path.exists(cand):
+            return cand
+    return None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("QUANTMLA_CACHE_DIR", Path.home() / ".cache" / "quantmla")) / "cuda"
+
+
+def build_cubin(defines: dict[str, int], arch: str) -> bytes:
+    """nvcc -cubin of mla_decode_int.cu with -D defines for sm_<arch>, through the on-disk cache."""
+    src = SRC.read_bytes()
+    opts = ["-std=c++17", "-O3", "-use_fast_math", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    key = hashlib.sha256(src + " ".join(opts).encode()).hexdigest()[:24]
+    path = _cache_dir() / f"mla_decode_int_{key}.cubin"
+    if path.exists():
+        return path.read_bytes()
+    nvcc = _nvcc()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "k.cubin")
+        res = subprocess.run([nvcc, "-cubin", *opts, "-o", out, str(SRC)], capture_output=True, text=True)
+        if res.returncode:
+            raise RuntimeError(f"nvcc failed ({' '.join(opts)}):\n{res.stderr[-4000:]}")
+        data = Path(out).read_bytes()
+    tmp_path = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp_path.write_bytes(data)
+    os.replace(tmp_path, path)  # atomic: concurrent builders write the same bytes
+    return data
+
+
+# --- driver API -----------------------------------------------------------------------------------------------
+
+_lib = None
+_lock = threading.Lock()
+_kernels: dict[tuple, tuple[int, int]] = {}  # (device index, defines) -> (CUfunction, dynamic shared bytes)
+
+
+def _cu():
+    global _lib
+    if _lib is None:
+        _lib = ctypes.CDLL("libcuda.so.1")
+        _lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return _lib
+
+
+def _check(res: int, what: str) -> None:
+    if res:
+        msg = ctypes.c_char_p()
+        _cu().cuGetErrorString(res, ctypes.byref(msg))
+        raise RuntimeError(f"{what}: CUDA error {res} ({msg.value.decode() if msg.value else '?'})")
+
+
+def _kernel(device: torch.device, defines: dict[str, int]) -> tuple[int, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (idx, tuple(sorted(defines.items())))
+    with _lock:
+        if key in _kernels:
+            return _kernels[key]
+        major, minor = torch.cuda.get_device_capability(idx)
+        image = build_cubin(defines, f"{major}{minor}")
+        cu = _cu()
+        with torch.cuda.device(idx):
+            torch.cuda.current_stream(idx)  # makes PyTorch's primary context current on this thread
+            ctx = ctypes.c_void_p()
+            _check(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+            if not ctx.value:
+                torch.empty(1, device=f"cuda:{idx}")
+                _check(cu.cuCtxGetCurrent(ctypes.byref(ctx)), "cuCtxGetCurrent")
+            mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+            _check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(image)), "cuModuleLoadData")
+            _check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"mla_decode_int"), "cuModuleGetFunction")
+            # sizeof(Smem), published by the module (read once: a copy to the host, outside any capture)
+            gptr, gsize = ctypes.c_uint64(), ctypes.c_size_t()
+            _check(cu.cuModuleGetGlobal_v2(ctypes.byref(gptr), ctypes.byref(gsize), mod, b"kSmemBytes"), "cuModuleGetGlobal")
+            smem = ctypes.c_int()
+            _check(cu.cuMemcpyDtoH_v2(ctypes.byref(smem), gptr, ctypes.c_size_t(4)), "cuMemcpyDtoH")
+            _check(cu.cuFuncSetAttribute(fn, 8, smem.value), "cuFuncSetAttribute(max dynamic shared memory)")
+        _kernels[key] = (fn.value, smem.value)
+        return _kernels[key]
+
+
+def default_warps(cache) -> int:
+    """Warps per CTA: 8 (each warp 64 content channels; 2 CTAs per SM at <= 128 registers) where dc allows it."""
+    return 8 if cache.kv_lora_rank % 512 == 0 else 4
+
+
+def _defines(cache, warps: int | None = None) -> dict[str, int]:
+    warps = warps or default_warps(cache)
+    if warps not in (4, 8) or cache.kv_lora_rank % (64 * warps) or (cache.rope_dim // 16) > warps:
+        raise ValueError(f"{warps} warps do not fit kv_lora_rank {cache.kv_lora_rank}, rope {cache.rope_dim}")
+    return {"CB": _int_bits(cache.content.fmt), "RB": _int_bits(cache.rope.fmt), "DC": cache.kv_lora_rank,
+            "DR": cache.rope_dim, "RG": cache.rope.fmt.group, "NWARPS": warps,
+            "STAGES": 3 if warps == 4 else 2}  # fmt: skip  (8 warps: 2 stages keep 2 CTAs per SM in shared memory)
+
+
+def prepare(cache, device, warps: int | None = None) -> None:
+    """Build and load the kernel for this cache's formats (do it before capturing a CUDA graph)."""
+    _kernel(torch.device(device), _defines(cache, warps))
+
+
+def body_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, protected: bool = True,
+                ctas_per_sm: int = 2, min_split: int = 512) -> int:
+    """Splits of the quantized body per sequence: all CTAs (the protected split included) in one wave of
+    ctas_per_sm per SM, none shorter than min_split tokens (each split costs a partial write and read)."""
+    ctas = batch * -(-num_heads // 16)
+    want = max(1, (num_sms * ctas_per_sm) // max(ctas, 1) - int(protected))
+    return max(1, min(want, -(-max(max_seq_len, 1) // min_split)))
+
+
+def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, *, max_seq_len: int,
+                    out_dtype=torch.float32, num_splits: int | None = None, num_sms: int = 132,
+                    warps: int | None = None):
+    """The CUDA kernel + the Triton split combine. Contract: the module docstring. num_splits: body splits
+    (default `body_splits`); max_seq_len: an upper bound on seq_lens (sizes the splits; no host sync);
+    warps: 4 or 8 per CTA (default `default_warps`)."""
+    from quantmla.kernels.mla_decode import LOG2E, _combine_kernel  # the Triton combine, shared
+
+    reason = unsupported_reason(cache, q_nope_absorbed.shape[1], q_nope_absorbed.device)
+    if reason:
+        raise ValueError(f"the CUDA decode kernel cannot run this: {reason}")
+    B, H, dc = q_nope_absorbed.shape
+    dev = q_nope_absorbed.device
+    defs = _defines(cache, warps)
+    fn, smem = _kernel(dev, defs)
+    qn, qp = q_nope_absorbed, q_pe
+    if qn.dtype not in (torch.bfloat16, torch.float32):
+        qn = qn.float()
+    if qp.dtype != qn.dtype:
+        qp = qp.to(qn.dtype)
+    qn, qp = qn.contiguous(), qp.contiguous()
+    bt = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
+    if bt.stride(-1) != 1:
+        bt = bt.contiguous()
+    lens = seq_lens.int().contiguous()
+    slots = (torch.arange(B, dtype=torch.int32, device=dev) if slots is None else slots).int().contiguous()
+    nsb = num_splits or body_splits(B, H, max_seq_len, num_sms, protected=cache.window > 0)
+    nst = nsb + (1 if cache.window else 0)
+    out = torch.empty(B, H, dc, dtype=out_dtype, device=dev)
+    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+    if B == 0 or H == 0:
+        return out, lse
+    po = torch.empty(B, nst, H, dc, dtype=torch.float32, device=dev)
+    plse = torch.empty(B, nst, H, dtype=torch.float32, device=dev)
+    c, r = cache.content, cache.rope
+    P = ctypes.c_void_p
+    args = [
+        P(qn.data_ptr()), P(qp.data_ptr()), ctypes.c_int(qn.dtype == torch.float32),
+        P(c.codes.data_ptr()), P(c.scale.data_ptr()), P(c.zero.data_ptr()),
+        P(r.codes.data_ptr()), P(r.scale.data_ptr()), P(r.zero.data_ptr()),
+        P(cache.protected_content.data_ptr()), P(cache.protected_rope.data_ptr()),
+        P(bt.data_ptr()), ctypes.c_int(bt.stride(0)), P(lens.data_ptr()), P(slots.data_ptr()),
+        P(po.data_ptr()), P(plse.data_ptr()),
+        ctypes.c_int(H), ctypes.c_int(nsb), ctypes.c_int(nst), ctypes.c_float(sm_scale * LOG2E),
+        ctypes.c_longlong(c.codes.stride(1)), ctypes.c_longlong(c.scale.stride(1)),
+        ctypes.c_longlong(r.codes.stride(1)), ctypes.c_longlong(r.scale.stride(1)),
+        ctypes.c_int(cache.block_size), ctypes.c_int(cache.sink), ctypes.c_int(cache.window),
+    ]  # fmt: skip
+    params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    _check(_cu().cuLaunchKernel(P(fn), nst, B, -(-H // 16), 32 * defs["NWARPS"], 1, 1, smem, P(stream), params, None), "cuLaunchKernel")
+    _combine_kernel[(H, B)](po, plse, out, lse, H, nst, dc, num_warps=4)
+    return out, lse
+
+
+__all__ = ["ENV", "body_splits", "decode_kernel_name", "default_warps", "mla_decode_cuda", "prepare",
+           "unsupported_reason"]
