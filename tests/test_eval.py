@@ -146,3 +146,26 @@ def test_cli_errors(tiny_dir, capsys, argv, message):
 def test_cli_missing_model(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "nowhere")]) == 2
     assert "model directory not found" in capsys.readouterr().err
+
+
+def test_eval_methods_parts_merge(tiny_dir, tmp_path):
+    """benchmarks/eval_methods.py: parts written in separate runs make one table; other settings refuse."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import eval_methods
+
+    common = ["--model", str(tiny_dir), "--lengths", "96", "--samples", "1", "--scored", "16"]
+    assert eval_methods.main(common + ["--methods", "bf16", "--out", str(tmp_path / "a")]) == 0
+    assert eval_methods.main(common + ["--methods", "rtn@int2/int4", "--out", str(tmp_path / "b")]) == 0
+    parts = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert eval_methods.main(["--merge", *parts, "--out", str(tmp_path / "ab")]) == 0
+    merged = json.loads((tmp_path / "ab.json").read_text())
+    assert [(r["method"], r["content"]) for r in merged["results"]] == [("bf16", "bf16"), ("rtn", "int2:32")]
+    assert merged["parts"] == parts and " ; " in merged["command"]
+    md = (tmp_path / "ab.md").read_text()
+    assert "under serving semantics" in md and "| rtn | int2:32 |" in md
+    assert eval_methods.main(common[:-1] + ["8", "--methods", "bf16", "--out", str(tmp_path / "c")]) == 0
+    with pytest.raises(SystemExit, match="other settings"):
+        eval_methods.main(["--merge", parts[0], str(tmp_path / "c.json"), "--out", str(tmp_path / "ac")])
