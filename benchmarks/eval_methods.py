@@ -7,10 +7,17 @@ Writes benchmarks/results/eval_methods.json (every number, the settings, the com
     python benchmarks/eval_methods.py                        # all methods, defaults below
     python benchmarks/eval_methods.py --methods bf16,rtn --samples 2 --lengths 512 --out /tmp/x
     python benchmarks/eval_methods.py --device cuda --lengths 512,1024,2048 --samples 200 --scored 512 \
-        --batch 100                                          # the committed results: about a minute on an H200
+        --batch 100                                          # the committed 2 K results (older protocol)
+    python benchmarks/eval_methods.py --merge /tmp/a.json /tmp/b.json --out benchmarks/results/x
+                                                             # one table from parts run in separate calls
 
-The defaults are sized for a CPU: 4 samples per cell at 512 and 2048 tokens, about 4-5 minutes per method on
-this project's busy 2-core machine (BF16 took 273 s), so the committed results come from the GPU command.
+Every method runs through the serving forward (`quantmla.eval.serving`): ppl/KL one forward per batch of
+windows, needles one teacher-forced forward per batch of samples (see `quantmla.eval.suite`). Parts (one
+--methods subset and --out each, the other settings the same) merge with --merge, rows in the order given;
+the BF16 quality table comes from the part that has the bf16 row.
+
+The defaults are sized for a CPU: 4 samples per cell at 512 and 2048 tokens, 71 s (BF16) to 90 s (RTN
+INT4/INT4) per method on this project's busy 2-core machine (273 s for BF16 before the serving scorer).
 """
 
 from __future__ import annotations
@@ -89,6 +96,29 @@ def equal_bytes_rows(rows: list[tuple[str, MethodArgs]], length: int) -> list[tu
     return out
 
 
+def protocol(s: dict) -> list[str]:
+    """How ppl/KL and needles were measured (results written before the serving scorer carry "chunk")."""
+    windows = (f"- ppl / KL: {s['windows'][0]} windows of {s['windows'][1]} held-out tokens "
+               "(`quantmla/data/heldout.txt`); ")
+    if "chunk" in s:
+        return [windows + f"the context is prefilled through the cache under test in one call (every key older "
+                f"than the last `recent` quantized for all its queries), then the last {s['scored']} tokens of each "
+                f"window are scored in chunks of {s['chunk']} against it. KL is the mean next-token KL(BF16 || "
+                "method) in nats on the same tokens.",
+                f"- Needles: {s['samples']} samples per task and length (prompt + answer bytes = tokens), filler "
+                f"from the held-out text, greedy `generate` with the cache under test (one-call prefill), exact "
+                f"match; seed {s['seed']}, the same samples for every method."]
+    return [windows + "each is one forward under serving semantics (`quantmla.eval.serving`, as the engine's "
+            "prefill and decode): every query sees the sink and its own last `recent` keys in BF16 and every "
+            "other key as the cache stores it (KIVI's tokens once their block has left the window); the last "
+            f"{s['scored']} tokens are scored. KL is the mean next-token KL(BF16 || method) in nats on the same "
+            "tokens, against a plain forward of the BF16 model.",
+            f"- Needles: {s['samples']} samples per task and length (prompt + answer bytes = tokens), filler from "
+            "the held-out text; a sample is correct iff greedy decoding under the same serving semantics writes the "
+            "answer exactly, scored teacher-forced in one forward (the argmax at every answer token; EOS at its "
+            f"final newline); seed {s['seed']}, the same samples for every method."]
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     s = meta["settings"]
     lengths = s["lengths"]
@@ -101,13 +131,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         f"{meta['seconds']:.0f} s in all.",
         f"Command: `{meta['command']}`",
         "",
-        f"- ppl / KL: {s['windows'][0]} windows of {s['windows'][1]} held-out tokens (`quantmla/data/heldout.txt`); "
-        f"the context is prefilled through the cache under test, then the last {s['scored']} tokens of each "
-        f"window are scored in chunks of {s['chunk']} against it. KL is the mean next-token KL(BF16 || method) "
-        "in nats on the same tokens.",
-        f"- Needles: {s['samples']} samples per task and length (prompt + answer bytes = tokens), filler from "
-        f"the held-out text, greedy `generate` with the cache under test, exact match; seed {s['seed']}, the "
-        "same samples for every method.",
+        *protocol(s),
         f"- Bytes per token and layer: measured from the cache's `memory_bytes()` after {lengths[-1]} BF16 "
         "tokens and after 131072 (\"@128K\"), protected (sink + recent) and staged tokens included; \"body\" is "
         "one quantized token by the formula (mean over layers). A quantmla row with a wider BF16 window "
@@ -164,12 +188,18 @@ def main(argv=None) -> int:
                     help="after each kivi row, quantmla with the same measured bytes (BF16 window widened by "
                          "KIVI's staging at the longest length); default: on for --methods accuracy")
     ap.add_argument("--render", help="only rewrite the .md beside this results JSON (no evaluation)")
+    ap.add_argument("--merge", nargs="+", metavar="JSON",
+                    help="no evaluation: concatenate the rows of these results JSONs (parts run with the same "
+                         "settings, e.g. one --methods subset per GPU call) into --out .json and .md")
     args = ap.parse_args(argv)
     if args.equal_bytes is None:
         args.equal_bytes = args.methods == "accuracy"
     if args.render:
         data = json.loads(Path(args.render).read_text())
         Path(args.render).with_suffix(".md").write_text(markdown(data.pop("results"), data))
+        return 0
+    if args.merge:
+        merge([Path(p) for p in args.merge], Path(args.out))
         return 0
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     if args.threads:
@@ -194,6 +224,26 @@ def main(argv=None) -> int:
         results.append(r)
         write(out, results, args, argv, model_dir, t0)
     return 0
+
+
+def _comparable(settings: dict) -> dict:
+    return {k: v for k, v in settings.items() if k not in ("cache", "progress", "batch")}
+
+
+def merge(parts: list[Path], out: Path) -> None:
+    """One results JSON (and its .md) from parts measured with the same model and settings, rows in order."""
+    data = [json.loads(p.read_text()) for p in parts]
+    first = data[0]
+    for p, d in zip(parts, data):
+        if d["model"] != first["model"] or _comparable(d["settings"]) != _comparable(first["settings"]):
+            raise SystemExit(f"{p}: another model or other settings than {parts[0]}; cannot merge")
+    meta = {**{k: v for k, v in first.items() if k != "results"},
+            "command": " ; ".join(d["command"] for d in data), "seconds": sum(d["seconds"] for d in data),
+            "date_utc": max(d["date_utc"] for d in data), "parts": [str(p) for p in parts]}
+    results = [r for d in data for r in d["results"]]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
+    out.with_suffix(".md").write_text(markdown(results, meta))
 
 
 def write(out: Path, results: list[dict], args, argv, model_dir: Path, t0: float) -> None:

@@ -1,4 +1,5 @@
-"""The evaluation suite on tiny random models: metrics, quantized-history scoring, needle plumbing, CLI."""
+"""The evaluation suite on tiny random models: metrics, quantized-history scoring, needle plumbing, CLI
+(the serving forward itself: test_eval_serving.py)."""
 
 import json
 import math
@@ -30,7 +31,7 @@ def windows():
 
 
 def test_bf16_scoring_equals_a_plain_forward(model, windows):
-    scored = 40  # prefill's last logit + 39 tokens in chunks of 16, 16, 7
+    scored = 40
     _, cfg = apply_method("bf16", model)
     lp = score_window(model, windows, scored, cfg)
     with torch.no_grad():
@@ -63,12 +64,12 @@ def test_suite_kl_is_the_mean_kl_of_the_scored_tokens(model):
 
 
 def test_scored_tokens_attend_to_quantized_history(model, windows):
-    """A short scored continuation (one prefill logit + one chunk of 7) changes under a destructive cache
-    whose protected window is shorter than the context, and does not when the window covers everything."""
+    """A short scored continuation changes under a destructive cache whose protected window is shorter than
+    the context, and does not when the window covers everything."""
     ref = score_window(model, windows, 8, CacheConfig.bf16())
     hidden = score_window(model, windows, 8, CacheConfig("int2", QuantFormat("int2", 16), sink=0, recent=16).fit(32, 16))
     assert (hidden - ref).abs().amax() > 1e-2
-    # The first scored token comes from the prefill's last logit: it too sees the quantized context.
+    # The first scored token (the context's last position) too sees the quantized context.
     assert (hidden[:, 0] - ref[:, 0]).abs().amax() > 1e-2
     covered = score_window(model, windows, 8, CacheConfig("int2", QuantFormat("int2", 16), sink=0, recent=96).fit(32, 16))
     torch.testing.assert_close(covered, ref, atol=1e-5, rtol=1e-5)
@@ -100,36 +101,10 @@ def test_bytes_per_token_is_measured():
     assert rtn == pytest.approx((132 * 1152 + 892 * 324) / 1024)
 
 
-def test_niah_exact_match_with_fake_generate():
-    codec = retrieval.Codec(None, 256)
+def test_needle_samples_and_suite_structure(model):
     samples = retrieval.samples_for("multivalue", 200, 3, seed=5)
     assert samples == retrieval.samples_for("multivalue", 200, 3, seed=5)  # the same prompts for every method
     assert samples != retrieval.samples_for("multivalue", 200, 3, seed=6)
-    answers = {codec.decode(codec.encode_prompt(s.prompt)): s.answer for s in samples}
-
-    def fake(reply):
-        def generate(ids, max_new):
-            rows = [reply(answers[codec.decode(row.tolist())]) for row in ids]
-            out = [codec.encode_answer(r)[:max_new] for r in rows]
-            width = max(map(len, out))
-            return torch.tensor([o + [0] * (width - len(o)) for o in out])  # 0: padding after a short reply
-        return generate
-
-    assert retrieval.accuracy(fake(lambda a: a), codec, samples) == 1.0
-    assert retrieval.accuracy(fake(lambda a: a.rstrip("\n")), codec, samples) == 1.0  # EOS/pad, no newline
-    assert retrieval.accuracy(fake(lambda a: a.rstrip("\n") + "7\n"), codec, samples) == 0.0  # runs on
-    assert retrieval.accuracy(fake(lambda a: a[1:]), codec, samples) == 0.0
-    first_wrong = lambda a: a if a != samples[0].answer else "1" + a  # noqa: E731
-    assert retrieval.accuracy(fake(first_wrong), codec, samples) == pytest.approx(2 / 3)
-    assert retrieval.is_correct("123 456\nQ: more", "123 456\n") and not retrieval.is_correct(" 123", "123\n")
-
-
-def test_cache_generate_is_greedy_generate(model):
-    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(2))
-    _, cfg = apply_method("bf16", model)
-    new = retrieval.cache_generate(model, cfg)(ids, 5)
-    plain = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
-    assert torch.equal(new, plain[:, 40:])
     settings = EvalSettings(tasks=("niah",), lengths=(96, 128), samples=2, progress=False)
     r = evaluate(model, None, "rtn", MethodArgs(recent=32), settings)
     assert set(r.niah) == set(TASKS) and all(set(v) == {96, 128} for v in r.niah.values())
@@ -171,3 +146,26 @@ def test_cli_errors(tiny_dir, capsys, argv, message):
 def test_cli_missing_model(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "nowhere")]) == 2
     assert "model directory not found" in capsys.readouterr().err
+
+
+def test_eval_methods_parts_merge(tiny_dir, tmp_path):
+    """benchmarks/eval_methods.py: parts written in separate runs make one table; other settings refuse."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import eval_methods
+
+    common = ["--model", str(tiny_dir), "--lengths", "96", "--samples", "1", "--scored", "16"]
+    assert eval_methods.main(common + ["--methods", "bf16", "--out", str(tmp_path / "a")]) == 0
+    assert eval_methods.main(common + ["--methods", "rtn@int2/int4", "--out", str(tmp_path / "b")]) == 0
+    parts = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    assert eval_methods.main(["--merge", *parts, "--out", str(tmp_path / "ab")]) == 0
+    merged = json.loads((tmp_path / "ab.json").read_text())
+    assert [(r["method"], r["content"]) for r in merged["results"]] == [("bf16", "bf16"), ("rtn", "int2:32")]
+    assert merged["parts"] == parts and " ; " in merged["command"]
+    md = (tmp_path / "ab.md").read_text()
+    assert "under serving semantics" in md and "| rtn | int2:32 |" in md
+    assert eval_methods.main(common[:-1] + ["8", "--methods", "bf16", "--out", str(tmp_path / "c")]) == 0
+    with pytest.raises(SystemExit, match="other settings"):
+        eval_methods.main(["--merge", parts[0], str(tmp_path / "c.json"), "--out", str(tmp_path / "ac")])

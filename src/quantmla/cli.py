@@ -270,7 +270,7 @@ def cmd_eval(args) -> None:
                   num(r.ppl_bf16, ".4f"), num(r.kl, ".3e"))
     console.print(table)
     if r.niah:
-        needles = Table(title="Needle retrieval accuracy (greedy, exact match)")
+        needles = Table(title="Needle retrieval accuracy (greedy answer, exact match)")
         needles.add_column("task")
         for length in settings.lengths:
             needles.add_column(str(length), justify="right")
@@ -427,11 +427,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_calibrate)
     s = sub.add_parser("eval", help="quality of a cache method: perplexity, KL to BF16, needle retrieval",
                        description="Evaluate one KV-cache method: perplexity and next-token KL to BF16 on held-out "
-                                   "text (the context is prefilled through the quantized cache, then the scored "
-                                   "continuation is fed in chunks of 16 tokens against it), and RULER-style needle "
-                                   "retrieval (single, multikey, multivalue) at each length, greedy through "
-                                   "model.generate with the cache under test; the same seeds for every method. "
-                                   "Cache bytes per token are measured from the cache at the longest length.")
+                                   "text, and RULER-style needle retrieval (single, multikey, multivalue) at each "
+                                   "length, exact match of the greedy answer (teacher-forced: the argmax at every "
+                                   "answer token); the same seeds for every method. Both see the cache as a server "
+                                   "does: every query attends to the sink and its own last --recent keys in BF16 and "
+                                   "to every other key as the cache stores it, in prefill as in decode. Cache bytes "
+                                   "per token are measured from the cache at the longest length.")
     s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--method", default=None,
                    help="bf16; fp8 (whole row e4m3, one scale); fp8-content (FlashMLA: content e4m3 per 128, RoPE "
@@ -457,8 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--device", default="cpu", help="torch device to run the model on, e.g. cuda (default cpu)")
     s.add_argument("--attn", default="sdpa", choices=["sdpa", "eager"],
-                   help="attention implementation: sdpa (default) never holds the [batch, heads, L, L] scores "
-                        "that eager does (69 GB in fp32 for 8 windows of 16 K tokens)")
+                   help="attention implementation of the BF16 reference forward (the method under test "
+                        "always runs quantmla's serving attention): sdpa (default) never holds the [batch, heads, "
+                        "L, L] scores that eager does (69 GB in fp32 for 8 windows of 16 K tokens)")
     s.add_argument("--json", help="write the results as JSON here")
     s.set_defaults(func=cmd_eval)
     s = sub.add_parser("lm-eval", help="lm-evaluation-harness with a quantized cache (model 'quantmla')",

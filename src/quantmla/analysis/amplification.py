@@ -22,10 +22,11 @@ from transformers import DynamicCache
 
 from quantmla.capture import capture
 from quantmla.config import CacheConfig
-from quantmla.eval.perplexity import CHUNK
 from quantmla.mla import absorb_queries, project_queries, split_kv_b
 from quantmla.models.adapters import MLALayer, attention_module, cache_kwargs
 from quantmla.policy import policy_attention, query_positions, quantized_keys
+
+CHUNK = 16  # tokens per forward in end_to_end
 
 PATHS = ("content", "rope")
 
@@ -173,7 +174,7 @@ def end_to_end(model, layers: list[MLALayer], input_ids: torch.Tensor, nmse_targ
                seed: int = 0, policy: CacheConfig = CacheConfig(), chunk: int = CHUNK) -> dict:
     """Noise on one path of every layer at once, where `policy` quantizes: next-token KL to the clean model
     and perplexity. The sequences are fed in chunks of `chunk` tokens (a query sees up to chunk - 1 window
-    tokens noisy early, as in `eval.perplexity`)."""
+    tokens noisy early)."""
     clean = model(input_ids).logits
     out = {}
     for path in PATHS:

@@ -1,20 +1,16 @@
-"""Perplexity and next-token KL to BF16, with the scored tokens attending to the cache under test.
+"""Perplexity and next-token KL to BF16, with every token scored as a server would score it.
 
-A window of L tokens is split into a context (the first L - S) and a scored continuation (the last S).
-The context is prefilled through the cache; its last logit scores the first continuation token, exactly as
-a server would after prefill. The continuation is then fed in chunks of at most `chunk` tokens (default
-16), each attending to what the cache really holds: sink + dequantized body + recent window.
-
-Why chunks: QuantMLACache quantizes a token when it leaves the recent window, at the end of each call. A
-query in the middle of a chunk therefore sees the window as it will be at the chunk's end, so up to
-chunk - 1 of the oldest window tokens are already quantized (pessimistic by at most 15 of 128 with the
-defaults). Token-by-token decoding would be exact and 16x slower; one forward over the whole window
-would quantize everything but the last `recent` tokens for every query, which is far from serving.
+A window of L tokens is split into a context (the first L - S) and a scored continuation (the last S). One
+forward of the whole window through `serving.serving_logits` computes every layer's attention with serving
+semantics: each query sees the sink and its own last `recent` keys in BF16 and every other key as the cache
+stores it (quantized then dequantized; token-axis formats by whole blocks). So the context's hidden states,
+and the cached latents deeper layers compute from them, are those a server's prefill produces, and scored
+token j attends exactly as its decode step would. Row j of the result is the distribution over token
+L - S + j, from position L - S - 1 + j.
 
 The reference is one plain forward of the reference model (no cache at all), so a BF16 cache's own KL is
 measured, not zero by construction. Only per-window reductions (mean NLL, mean KL) outlive a batch:
-full-vocabulary log-probabilities exist for one batch of windows at a time (a 100 k vocabulary would need
-tens of GB for a whole evaluation).
+full-vocabulary log-probabilities exist for the scored positions of one batch of windows at a time.
 """
 
 from __future__ import annotations
@@ -25,35 +21,22 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from quantmla.cache.quant_cache import QuantMLACache
 from quantmla.config import CacheConfig
-from quantmla.models.adapters import cache_kwargs
-
-CHUNK = 16
+from quantmla.eval.serving import QUERY_BLOCK, serving_logits
 
 
 @torch.no_grad()
-def score_window(model, ids: torch.Tensor, scored: int, config: CacheConfig, chunk: int = CHUNK) -> torch.Tensor:
-    """Log-probabilities of the next token at the scored positions of windows ids [B, L].
-
-    Returns float32 [B, scored, vocab] on the CPU: row j is the distribution over token L - scored + j, computed with
-    the context ids[:, :L - scored] prefilled through a fresh QuantMLACache(config) and the continuation fed
-    in chunks of <= `chunk` tokens.
-    """
+def score_window(model, ids: torch.Tensor, scored: int, config: CacheConfig, query_block: int = QUERY_BLOCK
+                 ) -> torch.Tensor:
+    """Log-probabilities of the next token at the scored positions of windows ids [B, L] under serving
+    semantics for `config`: float32 [B, scored, vocab] on the CPU, row j the distribution over token
+    L - scored + j (from positions L - scored - 1 .. L - 2)."""
     length = ids.shape[1]
     if not 0 < scored < length:
         raise ValueError(f"scored tokens must be in [1, {length - 1}] for windows of {length}, got {scored}")
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    ids = ids.to(model.device)
-    cache = QuantMLACache(config)
-    kw = cache_kwargs(model, cache)
-    start = length - scored
-    logits = [model(ids[:, :start], use_cache=True, logits_to_keep=1, **kw).logits]
-    # The last scored token's own logit predicts past the window, so feed only ids[start : L-1].
-    for a in range(start, length - 1, chunk):
-        logits.append(model(ids[:, a:min(a + chunk, length - 1)], use_cache=True, **kw).logits)
-    return F.log_softmax(torch.cat(logits, dim=1).float(), dim=-1).cpu()
+    rows = torch.arange(length - scored - 1, length - 1, device=model.device)
+    logits = serving_logits(model, ids, config, rows, query_block)
+    return F.log_softmax(logits.float(), dim=-1).cpu()
 
 
 def nll(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -76,8 +59,7 @@ def reference_logprobs(model, ids: torch.Tensor, scored: int) -> torch.Tensor:
 
 
 def window_stats(model, windows: torch.Tensor, scored: int, config: CacheConfig, reference_model=None,
-                 chunk: int = CHUNK, batch: int = 1, desc: str = "ppl/kl", progress: bool = True
-                 ) -> dict[str, torch.Tensor]:
+                 batch: int = 1, desc: str = "ppl/kl", progress: bool = True) -> dict[str, torch.Tensor]:
     """Per window of windows [N, L], float64 [N] each: "nll" the mean NLL of its scored tokens under `model`
     with a cache `config` (score_window), "nll_ref" the same under a plain forward of `reference_model`
     (default: `model`), "kl" the mean KL(reference || model) over those tokens."""
@@ -86,7 +68,7 @@ def window_stats(model, windows: torch.Tensor, scored: int, config: CacheConfig,
     for i in tqdm(range(0, windows.shape[0], batch), desc=desc, disable=not progress, leave=False):
         ids = windows[i:i + batch]
         targets = ids[:, -scored:]
-        logprobs = score_window(model, ids, scored, config, chunk)
+        logprobs = score_window(model, ids, scored, config)
         ref = reference_logprobs(reference_model, ids, scored)
         out["nll"].append(nll(logprobs, targets).double().mean(-1))
         out["nll_ref"].append(nll(ref, targets).double().mean(-1))

@@ -1,24 +1,29 @@
-"""Needle retrieval accuracy (RULER-style single / multi-key / multi-value) through `model.generate`.
+"""Needle retrieval accuracy (RULER-style single / multi-key / multi-value) under serving semantics.
 
 Samples come from `quantmla.eval.needles.make_sample` with a random generator seeded from (seed, task,
-length, index) alone, so every method sees the very same prompts. Generation is greedy with the cache under
-test; a sample counts as correct when the text generated before the first newline equals the answer
-(the answer's trailing newline, an EOS, or padding after it do not matter).
+length, index) alone, so every method sees the very same prompts. Scoring is teacher-forced: prompt +
+answer (all but its last token) go through one `serving.serving_logits` forward with the cache under test,
+and a sample is correct iff the argmax at every answer position is the answer's token (at the answer's final
+newline an EOS counts too). That is exactly whether greedy generation under serving semantics (the engine,
+or a `QuantMLACache` fed one token per call) writes the answer: each greedy step is the argmax given the
+tokens before it, and as long as those are the answer's, its prefixes are the teacher-forced ones.
+The one way it can differ from matching the generated *text*: a tokenizer that can spell the same text with
+other ids (e.g. "48" as one token where the answer is "4", "8", or a newline merged into the next token)
+would be counted correct by text matching and wrong here; the byte-level tokenizers of the shipped models
+spell every text one way.
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from tqdm.auto import tqdm
 
-from quantmla.cache.quant_cache import QuantMLACache
 from quantmla.config import CacheConfig
 from quantmla.eval.needles import TASKS, NeedleSample, make_sample
-from quantmla.models.adapters import cache_kwargs
+from quantmla.eval.serving import serving_logits
 
 
 @dataclass
@@ -50,55 +55,51 @@ def samples_for(task: str, length: int, count: int, seed: int = 0, filler: str |
     return [make_sample(task, length, random.Random(f"{seed}/{task}/{length}/{i}"), filler) for i in range(count)]
 
 
-def is_correct(generated: str, answer: str) -> bool:
-    """Exact match of the text before the first newline with the answer (its trailing newline stripped)."""
-    return generated.split("\n", 1)[0] == answer.rstrip("\n")
+def eos_ids(model) -> set[int]:
+    """Token ids that end a greedy generation: the generation config's EOS (what `generate` stops on), else
+    the model config's."""
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
 
 
-# (prompt ids [B, P], max new tokens) -> generated ids [B, <= max new]; the real one wraps model.generate.
-GenerateFn = Callable[[torch.Tensor, int], torch.Tensor]
+def answer_correct(predicted: list[int], answer: list[int], eos: set[int], final_newline: bool) -> bool:
+    """predicted[i]: the argmax after prompt + answer[:i]. All must be the answer's tokens, except that the
+    last may be an EOS where the answer's last token is its final newline."""
+    if predicted[:-1] != answer[:-1]:
+        return False
+    return predicted[-1] == answer[-1] or (final_newline and predicted[-1] in eos)
 
 
-def cache_generate(model, config: CacheConfig, pad_token_id: int | None = None) -> GenerateFn:
-    """Greedy generation with a fresh QuantMLACache(config) per call; returns only the new tokens."""
-
-    @torch.no_grad()
-    def generate(ids: torch.Tensor, max_new_tokens: int) -> torch.Tensor:
-        cache = QuantMLACache(config)
-        ids = ids.to(model.device)
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, pad_token_id=pad_token_id, **cache_kwargs(model, cache))
-        return out[:, ids.shape[1]:].cpu()
-
-    return generate
-
-
-def accuracy(generate: GenerateFn, codec: Codec, samples: list[NeedleSample], batch: int = 8,
+def accuracy(model, config: CacheConfig, codec: Codec, samples: list[NeedleSample], batch: int = 8,
              progress: bool = False, desc: str = "niah") -> float:
-    """Fraction of samples answered exactly. Samples are batched only with others of the same prompt
-    length, so no padding ever enters the cache (padding would land in the sink and shift the window)."""
-    groups: dict[int, list[tuple[list[int], NeedleSample]]] = {}
+    """Fraction of samples answered exactly (teacher-forced, see the module docstring). Samples are batched
+    only with others fed as many tokens, so no padding enters any window."""
+    eos = eos_ids(model)
+    groups: dict[int, list[tuple[list[int], list[int], NeedleSample]]] = {}
     for s in samples:
-        ids = codec.encode_prompt(s.prompt)
-        groups.setdefault(len(ids), []).append((ids, s))
+        prompt, answer = codec.encode_prompt(s.prompt), codec.encode_answer(s.answer)
+        groups.setdefault(len(prompt) + len(answer) - 1, []).append((prompt, answer, s))
     batches = [g[i:i + batch] for g in groups.values() for i in range(0, len(g), batch)]
     correct = 0
     for chunk in tqdm(batches, desc=desc, disable=not progress, leave=False):
-        ids = torch.tensor([ids for ids, _ in chunk])
-        # One token more than the longest answer, so an answer that runs on is caught.
-        new = max(len(codec.encode_answer(s.answer)) for _, s in chunk) + 1
-        out = generate(ids, new)
-        correct += sum(is_correct(codec.decode(row.tolist()), s.answer) for row, (_, s) in zip(out, chunk))
+        ids = torch.tensor([prompt + answer[:-1] for prompt, answer, _ in chunk])
+        keep = max(len(answer) for _, answer, _ in chunk)
+        predicted = serving_logits(model, ids, config, keep).argmax(-1).tolist()  # [B, keep]
+        for row, (_, answer, s) in zip(predicted, chunk):
+            newline = s.answer.endswith("\n") and codec.decode(answer[-1:]) == "\n"
+            correct += answer_correct(row[keep - len(answer):], answer, eos, newline)
     return correct / len(samples)
 
 
-def niah(generate: GenerateFn, codec: Codec, lengths: list[int], count: int, seed: int = 0,
+def niah(model, config: CacheConfig, codec: Codec, lengths: list[int], count: int, seed: int = 0,
          filler: str | None = None, batch: int = 8, progress: bool = True) -> dict[str, dict[int, float]]:
-    """Accuracy per task per length: {task: {length: accuracy}}."""
+    """Accuracy per task per length under serving semantics for `config`: {task: {length: accuracy}}."""
     out: dict[str, dict[int, float]] = {}
     for task in TASKS:
         out[task] = {}
         for length in lengths:
             samples = samples_for(task, length, count, seed, filler)
-            out[task][length] = accuracy(generate, codec, samples, batch, progress, f"niah {task} {length}")
+            out[task][length] = accuracy(model, config, codec, samples, batch, progress, f"niah {task} {length}")
     return out

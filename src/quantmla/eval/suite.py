@@ -5,10 +5,12 @@
     result.to_dict()   # {"method", "content", "rope", "bytes_per_token", "ppl", "kl", "niah": {...}, ...}
 
 Tasks: "ppl" and "kl" share one pass (windows of the longest length from the held-out text, the last
-`scored` tokens of each scored; see `perplexity`), "niah" is `retrieval.niah` at every length. The reference
-for the KL is a plain forward (no cache) of the unmodified model over the same windows, batch by batch; pass
-`reference_model` when the model under test is a calibrated checkpoint of another (the original then judges
-the fold's rounding too).
+`scored` tokens of each scored; see `perplexity`), "niah" is `retrieval.niah` at every length. Both run the
+model under serving semantics (`serving`: every query sees the sink and its last `recent` keys in BF16, the
+rest as stored), one forward per batch of windows or needle samples. The reference for the KL is a plain
+forward (no cache) of the unmodified model over the same windows, batch by batch; pass `reference_model`
+when the model under test is a calibrated checkpoint of another (the original then judges the fold's
+rounding too).
 """
 
 from __future__ import annotations
@@ -35,14 +37,13 @@ class EvalSettings:
     """What to measure. lengths: needle lengths (bytes of prompt + answer); ppl/kl windows use the longest.
 
     samples: ppl/kl windows, and needle samples per task and length. scored: continuation tokens scored per
-    window. chunk: continuation tokens per forward (see `perplexity`).
+    window. batch: windows (or needle samples) per forward.
     """
 
     tasks: tuple[str, ...] = TASK_NAMES
     lengths: tuple[int, ...] = (512, 1024, 2048)
     samples: int = 8
     scored: int = 256
-    chunk: int = perplexity.CHUNK
     seed: int = 0
     batch: int = 8
     progress: bool = True
@@ -119,7 +120,7 @@ def _formats(config: CacheConfig, path: int) -> str:
 
 def check_lengths(model, settings: EvalSettings) -> None:
     max_pos = getattr(model.config, "max_position_embeddings", None)
-    # Needle prompts gain a BOS token and the answer is generated after them (<= 2 x 6-digit values + slack).
+    # Needle prompts gain a BOS token; prompt + answer (fed teacher-forced) is `length` bytes, + 32 of slack.
     if max_pos and max(settings.lengths) + 32 > max_pos:
         raise ValueError(f"length {max(settings.lengths)} (+ up to 32 tokens of BOS and answer) exceeds the "
                          f"model's max_position_embeddings {max_pos}")
@@ -154,17 +155,14 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
         windows = heldout_windows(tokenizer, model.config.vocab_size, longest, settings.samples, text_path)
         per_window = perplexity.window_stats(test_model, windows, settings.scored, config,
                                              model if reference_model is None else reference_model,
-                                             settings.chunk, settings.batch,
-                                             f"ppl/kl {method}", settings.progress)
+                                             settings.batch, f"ppl/kl {method}", settings.progress)
         stats = perplexity.ppl_kl(per_window)
         result.ppl, result.ppl_bf16, result.kl = stats["ppl"], stats["ppl_bf16"], stats["kl"]
         result.settings["windows"] = list(windows.shape)
     if "niah" in settings.tasks:
         codec = retrieval.Codec(tokenizer, model.config.vocab_size)
-        pad = getattr(tokenizer, "pad_token_id", None) if tokenizer is not None else None
         filler = read_text(text_path, "heldout.txt")  # held-out text, as the trainer's own needle evaluation
-        result.niah = retrieval.niah(retrieval.cache_generate(test_model, config, pad), codec,
-                                     list(settings.lengths), settings.samples, settings.seed, filler,
-                                     settings.batch, settings.progress)
+        result.niah = retrieval.niah(test_model, config, codec, list(settings.lengths), settings.samples,
+                                     settings.seed, filler, settings.batch, settings.progress)
     result.seconds = time.perf_counter() - t0
     return result

@@ -1,0 +1,168 @@
+"""A forward of an HF MLA model over whole windows [B, L] whose attention sees the cache as a server does.
+
+Serving semantics (those of the engine's prefill and decode, `quantmla.engine.attention`): a query at position
+t sees key p <= t in BF16 (as computed, in the model's dtype) if p < sink or p >= t + 1 - recent, otherwise
+as stored: quantized with the path's format, then dequantized. A token-axis (KIVI-style) format quantizes a
+token only once its whole block of `group` tokens (blocks counted from `sink`) has left the window, so query
+t sees p stored iff p >= sink and block_end(p) <= t + 1 - recent. Content and RoPE paths decide separately
+(their formats may differ), per layer (`CacheConfig.at`). A token's stored value does not depend on the query:
+it is what `PathStore` holds for it (formats, clipping, `rope_rotation` as the cache does them); the query
+only decides which of the two versions it sees. For channel formats this is exactly what feeding the window
+token by token through a `QuantMLACache` gives; for token-axis formats its staging gives the block rule.
+
+How: inside `serving(model, config)` every MLA attention module is replaced by a `ServingAttention` (and the
+model's attention implementation by a name transformers builds no mask for), restored on exit. Per layer
+the window's c and k_pe and their stored versions are expanded to per-head keys and values once (kv_b_proj,
+as the model's own attention and the engine's prefill do), then queries attend in blocks of `query_block`
+through `scaled_dot_product_attention` (fp32 softmax; an fp32 model on the CPU computes in fp32 throughout):
+each block reads only the keys up to its end, every key once per version some query of the block sees, and
+an additive mask picks for each (query, key) the one version it sees. Neither [L, L] scores nor [L, L]
+masks exist, and `serving_logits` applies the lm_head to the positions asked for only.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import AttentionInterface
+
+from quantmla.cache.quant_cache import PathStore, online_rotation
+from quantmla.config import CacheConfig, QuantFormat
+from quantmla.mla import project_cache, project_queries
+from quantmla.models.adapters import MLALayer, attention_module, describe
+
+ATTENTION_NAME = "quantmla_serving"
+QUERY_BLOCK = 1024  # queries per attention call
+KEY_ALIGN = 64  # keys per call padded to a multiple of this (masked): aligned masks keep the kernels fast
+NEVER = 1 << 62  # "no query sees this key stored"
+
+
+def _not_called(*args, **kwargs):
+    raise RuntimeError("quantmla_serving attention is done by ServingAttention modules, not by this function")
+
+
+AttentionInterface.register(ATTENTION_NAME, _not_called)
+
+
+def stored_from(fmt: QuantFormat, sink: int, recent: int, length: int, device=None) -> torch.Tensor:
+    """[length] int64: for each key p, the first query position that sees it stored (NEVER for sink tokens
+    and bf16 paths, whose stored value is the BF16 one)."""
+    p = torch.arange(length, device=device)
+    if fmt.kind == "bf16":
+        return torch.full_like(p, NEVER)
+    block = fmt.group if fmt.axis == "token" else 1
+    end = sink + ((p - sink).clamp_min(0) // block + 1) * block  # end of p's block
+    return torch.where(p < sink, NEVER, end - 1 + recent)
+
+
+def stored_values(x: torch.Tensor, fmt: QuantFormat, config: CacheConfig, what: str,
+                  rotation: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, L, D] -> each token as the cache stores it, [B, L, D] in x's dtype: sink and the tokens that no
+    query of the window sees stored are left as given."""
+    store = PathStore.empty(x[:, None], fmt, what, rotation)
+    return store.append(x[:, None], config)[:, 0]
+
+
+def _key_versions(sc: torch.Tensor, sr: torch.Tensor, lo: int, hi: int):
+    """The keys a block of queries [lo, hi) reads: one entry per (key p < hi, version of (content, rope) some
+    query of the block sees). sc, sr [hi]: first query seeing each path stored. Returns (key, content stored,
+    rope stored, first query, end query) [n] each: query t sees the entry iff first <= t < end."""
+    p = torch.arange(hi, device=sc.device)
+    first_stored, both_stored = torch.minimum(sc, sr), torch.maximum(sc, sr)
+    no, yes = torch.zeros_like(p, dtype=torch.bool), torch.ones_like(p, dtype=torch.bool)
+    versions = [(no, no, p, first_stored),  # both BF16: from p itself until the first path is stored
+                (sc < sr, sr < sc, first_stored, both_stored),  # one path stored (empty where sc == sr)
+                (yes, yes, both_stored, torch.full_like(p, NEVER))]  # both stored
+    out = []
+    for c, r, a, b in versions:
+        keep = torch.maximum(a, torch.full_like(a, lo)) < torch.minimum(b, torch.full_like(b, hi))
+        out.append([t[keep] for t in (p, c, r, a, b)])
+    return [torch.cat(parts) for parts in zip(*out)]
+
+
+def serving_attention(attn: nn.Module, layer: MLALayer, config: CacheConfig, hidden: torch.Tensor,
+                      position_embeddings, rotation: torch.Tensor | None = None,
+                      query_block: int = QUERY_BLOCK) -> torch.Tensor:
+    """The attention module's output [B, L, hidden] for a window at positions 0..L-1 under serving semantics;
+    `config` is this layer's (one format per path)."""
+    B, L, _ = hidden.shape
+    c, k_pe = project_cache(attn, layer, hidden, position_embeddings)
+    name = f"layer {layer.cache_idx}"
+    c_st = stored_values(c, config.content, config, f"{name} content")
+    r_st = stored_values(k_pe, config.rope, config, f"{name} rope", rotation)
+    # Both versions side by side along the token axis: row p + L * stored.
+    kv = attn.kv_b_proj(torch.cat([c, c_st], dim=1)).view(B, 2 * L, layer.num_heads, -1).transpose(1, 2)
+    k_nope, v = kv.split([layer.nope_dim, layer.v_dim], dim=-1)
+    rope = torch.cat([k_pe, r_st], dim=1)
+    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    q = torch.cat([q_nope, q_pe], dim=-1)
+    sc = stored_from(config.content, config.sink, config.recent, L, hidden.device)
+    sr = stored_from(config.rope, config.sink, config.recent, L, hidden.device)
+    outs = []
+    for lo in range(0, L, query_block):
+        hi = min(lo + query_block, L)
+        key, cs, rs, first, end = _key_versions(sc[:hi], sr[:hi], lo, hi)
+        pad = -key.numel() % KEY_ALIGN
+        if pad:  # keys no query sees
+            key, cs, rs = (torch.cat([t, t.new_zeros(pad)]) for t in (key, cs, rs))
+            first, end = (torch.cat([t, t.new_zeros(pad)]) for t in (first, end))
+        ci, ri = key + L * cs, key + L * rs
+        k = torch.cat([k_nope.index_select(2, ci),
+                       rope.index_select(1, ri)[:, None].expand(-1, layer.num_heads, -1, -1)], dim=-1)
+        t = torch.arange(lo, hi, device=hidden.device)[:, None]
+        seen = (first[None] <= t) & (t < end[None])
+        mask = torch.zeros(seen.shape, dtype=q.dtype, device=q.device).masked_fill_(~seen, float("-inf"))
+        outs.append(F.scaled_dot_product_attention(q[:, :, lo:hi], k, v.index_select(2, ci), attn_mask=mask,
+                                                   scale=layer.softmax_scale))
+    out = torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+    return attn.o_proj(out.transpose(1, 2).flatten(2))
+
+
+class ServingAttention(nn.Module):
+    """Stands in for one MLA attention module inside `serving`; returns (output, None) as the module does."""
+
+    def __init__(self, attn: nn.Module, layer: MLALayer, config: CacheConfig, query_block: int = QUERY_BLOCK):
+        super().__init__()
+        self.attn, self.layer, self.config, self.query_block = attn, layer, config, query_block
+        self.rotation = online_rotation(config.rope_rotation, layer.rope_dim) if config.rope.kind != "bf16" else None
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **_):
+        rotation = None if self.rotation is None else self.rotation.to(hidden_states.device)
+        return serving_attention(self.attn, self.layer, self.config, hidden_states, position_embeddings, rotation,
+                                 self.query_block), None
+
+
+@contextmanager
+def serving(model: nn.Module, config: CacheConfig, query_block: int = QUERY_BLOCK):
+    """Within the block, `model(ids, use_cache=False)` over windows starting at position 0 attends with
+    serving semantics for `config` (per-layer formats through `config.at`); the model's own attention
+    modules and attention implementation are put back on exit."""
+    layers = describe(model)
+    originals = {}
+    try:
+        for layer in layers:
+            attn = attention_module(model, layer)
+            cfg = config.at(layer.cache_idx).fit(layer.kv_lora_rank, layer.rope_dim)
+            model.set_submodule(layer.module, ServingAttention(attn, layer, cfg, query_block))
+            originals[layer.module] = attn
+        implementation = model.config._attn_implementation
+        model.config._attn_implementation = ATTENTION_NAME
+        try:
+            yield model
+        finally:
+            model.config._attn_implementation = implementation
+    finally:
+        for module, attn in originals.items():
+            model.set_submodule(module, attn)
+
+
+@torch.no_grad()
+def serving_logits(model: nn.Module, ids: torch.Tensor, config: CacheConfig, logits_to_keep: int | torch.Tensor,
+                   query_block: int = QUERY_BLOCK) -> torch.Tensor:
+    """Logits of windows ids [B, L] (positions 0..L-1) under serving semantics, at the positions
+    `logits_to_keep` names (transformers' meaning: the last N, or a 1-D tensor of positions): [B, kept, V]."""
+    with serving(model, config, query_block):
+        return model(input_ids=ids.to(model.device), use_cache=False, logits_to_keep=logits_to_keep).logits
