@@ -125,7 +125,7 @@ def markdown(results: list[dict], meta: dict) -> str:
     tasks = list(results[0]["niah"])
     bf16 = next((r for r in results if r["method"] == "bf16"), results[0])
     lines = [
-        "# Cache methods on the default model",
+        f"# Cache methods on `{Path(meta['model']).name}`",
         "",
         f"Model `{meta['model']}`; {meta['date_utc']}; {meta['device']}, {meta['threads']} thread(s), "
         f"{meta['seconds']:.0f} s in all.",
@@ -137,7 +137,7 @@ def markdown(results: list[dict], meta: dict) -> str:
         "one quantized token by the formula (mean over layers). A quantmla row with a wider BF16 window "
         "(sink+recent) right after a kivi row holds the same measured bytes as that row (KIVI's staging).",
         "",
-        "## BF16 quality of the default model",
+        "## BF16 quality of the model",
         "",
         f"Perplexity per byte on the scored held-out tokens: **{bf16['ppl_bf16']:.4f}** "
         f"({s['windows'][0]} x {s['scored']} tokens).",
