@@ -45,9 +45,10 @@ def nll(logprobs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 
 def kl(ref_logprobs: torch.Tensor, logprobs: torch.Tensor) -> torch.Tensor:
-    """KL(ref || other) per token in nats: [B, S, V] x2 -> [B, S]."""
+    """KL(ref || other) per token in nats: [B, S, V] x2 -> [B, S]. Clamped at 0: two nearly equal distributions
+    (a BF16 cache against the plain forward) can otherwise sum to -1e-10 through rounding."""
     ref = ref_logprobs.double()
-    return (ref.exp() * (ref - logprobs.double())).sum(-1)
+    return (ref.exp() * (ref - logprobs.double())).sum(-1).clamp_min(0.0)
 
 
 @torch.no_grad()
