@@ -10,9 +10,10 @@
 
 and measuring each calibrated model's KL two ways:
 
-  eval      as `quantmla eval` / the demo do: the 384-token context prefilled in one call through
-            QuantMLACache, which quantizes every key older than the last 128 for *all* the prefill's queries
-            (a query at position 200 then sees keys 73..200 quantized, which serving holds in BF16)
+  eval      as `quantmla eval` / the demo measure (`perplexity.window_stats`): since commit 1a0f0bd one
+            forward under exact serving semantics (`quantmla.eval.serving`); before it, and in the committed
+            demo_regression.md, the 384-token context prefilled in one call through QuantMLACache, which
+            quantized every key older than the last 128 for *all* the prefill's queries
   served    the whole window fed in chunks of 16 tokens, so a query sees at most 15 of its 128 recent keys
             quantized early: close to what the engine serves (its prefill attends with the exact policy)
 
