@@ -15,13 +15,8 @@ What it takes (`unsupported_reason` says why not, and the Triton kernel then run
 Heads are processed 16 per CTA (padded): the kernel reads the cache once per 16 heads, so it is meant for
 H <= 16.
 
-Measured (H200, benchmarks/results/decode_kernel_cuda.md): correct (tests/test_mla_decode_cuda.py, 34 cases,
-CUDA-graph replay included; rms error 1.6-2.2e-3 against fp64, the Triton INT4 kernel's 4-7e-3) but not yet fast:
-with 16 heads it runs at 0.54-0.89x the Triton bf16 kernel (8 warps; 4 warps are slower still), below the
-Triton INT4 kernel's 0.68-0.91x, so `mla_decode` uses it only when asked ($QUANTMLA_DECODE_KERNEL=cuda).
-It is latency- and instruction-bound, not byte-bound (Nsight Compute, B=16, 64K: DRAM 17 % busy, issue slots
-42 % busy, 4 warps per scheduler, ~160 warp instructions per cached token); the notes in
-decode_kernel_cuda.md say where they go.
+Opt-in ($QUANTMLA_DECODE_KERNEL=cuda): correct but not yet faster than the Triton kernel on the H200;
+measurements and profile in benchmarks/results/decode_kernel_cuda.md.
 
 Build: nvcc -cubin for the device's architecture, one binary per (bits, dims, rope group), cached on disk under
 $QUANTMLA_CACHE_DIR (default ~/.cache/quantmla/cuda), keyed by the source's hash and the options; loaded with the
