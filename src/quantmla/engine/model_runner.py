@@ -17,24 +17,16 @@ import logging
 
 import torch
 from torch import nn
-from transformers import AttentionInterface
 
 from quantmla.cache.paged import PagedMLACache
 from quantmla.config import CacheConfig
 from quantmla.engine.attention import Decode, PagedAttention, Prefill, StepContext
 from quantmla.engine.sequence import Sequence
-from quantmla.models.adapters import MLALayer, attention_module
+from quantmla.models.adapters import MLALayer, attention_module, register_module_attention
 
 log = logging.getLogger("quantmla.engine")
 
-ATTENTION_NAME = "quantmla_paged"
-
-
-def _not_called(*args, **kwargs):
-    raise RuntimeError("quantmla_paged attention is done by PagedAttention modules, not by this function")
-
-
-AttentionInterface.register(ATTENTION_NAME, _not_called)
+ATTENTION_NAME = register_module_attention("quantmla_paged", "PagedAttention")
 
 
 def storage_dtype(model_dtype: torch.dtype, device: torch.device) -> torch.dtype:

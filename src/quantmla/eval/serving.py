@@ -27,24 +27,17 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import AttentionInterface
 
 from quantmla.cache.quant_cache import PathStore, online_rotation
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.mla import project_cache, project_queries
-from quantmla.models.adapters import MLALayer, attention_module, describe
+from quantmla.models.adapters import MLALayer, attention_module, describe, register_module_attention
 
-ATTENTION_NAME = "quantmla_serving"
+ATTENTION_NAME = register_module_attention("quantmla_serving", "ServingAttention")
 QUERY_BLOCK = 1024  # queries per attention call
 KEY_ALIGN = 64  # keys per call padded to a multiple of this (masked): aligned masks keep the kernels fast
 NEVER = 1 << 62  # "no query sees this key stored"
 
-
-def _not_called(*args, **kwargs):
-    raise RuntimeError("quantmla_serving attention is done by ServingAttention modules, not by this function")
-
-
-AttentionInterface.register(ATTENTION_NAME, _not_called)
 
 
 def stored_from(fmt: QuantFormat, sink: int, recent: int, length: int, device=None) -> torch.Tensor:

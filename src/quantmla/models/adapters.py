@@ -163,6 +163,19 @@ def attention_module(model: nn.Module, layer: MLALayer) -> nn.Module:
     return model.get_submodule(layer.module)
 
 
+def register_module_attention(name: str, done_by: str) -> str:
+    """Register `name` as a transformers attention implementation for models whose attention modules were
+    replaced (by `done_by`): transformers builds no mask for an unknown-to-it function, and a call to it means
+    a module was missed. Returns `name`."""
+    from transformers import AttentionInterface
+
+    def not_called(*args, **kwargs):
+        raise RuntimeError(f"{name} attention is done by {done_by} modules, not by this function")
+
+    AttentionInterface.register(name, not_called)
+    return name
+
+
 def query_weight(attn: nn.Module, layer: MLALayer) -> nn.Linear:
     """The linear whose output rows are the per-head queries [H * (nope + rope)]."""
     return attn.q_proj if layer.q_path == "q_proj" else attn.q_b_proj
