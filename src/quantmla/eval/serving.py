@@ -39,7 +39,6 @@ KEY_ALIGN = 64  # keys per call padded to a multiple of this (masked): aligned m
 NEVER = 1 << 62  # "no query sees this key stored"
 
 
-
 def stored_from(fmt: QuantFormat, sink: int, recent: int, length: int, device=None) -> torch.Tensor:
     """[length] int64: for each key p, the first query position that sees it stored (NEVER for sink tokens
     and bf16 paths, whose stored value is the BF16 one)."""
