@@ -188,10 +188,7 @@ def cmd_calibrate(args) -> None:
         alloc = choose_formats(model, layers, batch, cfg, args.budget, args.context)
         cfg = alloc.config
         calibration["budget"] = {"fraction": args.budget, "context": args.context, "chosen_fraction": alloc.fraction}
-        console.print(f"budget {100 * args.budget:.1f} % of BF16 at {args.context} tokens: chose, per layer "
-                      f"(content / rope), {', '.join(f'{c}/{r}' for c, r in cfg.per_layer)} = "
-                      f"{100 * alloc.fraction:.2f} % (before choosing clipping ratios, which cost no bytes)",
-                      soft_wrap=True)
+        console.print(alloc.summary(), soft_wrap=True)
     space = SearchSpace(clips=_float_list(args.clips, "--clips"), token_axis=args.token_axis)
     calibration["space"] = {"clips": list(space.clips), "token_axis": space.token_axis}
     torch.manual_seed(args.seed)

@@ -45,12 +45,25 @@ def fraction_at(body_bytes: float, bf16_bytes: int, cfg: CacheConfig, context: i
     return (window * bf16_bytes + (context - window) * body_bytes) / (context * bf16_bytes)
 
 
+def check_budget(budget: float) -> None:
+    """Raises ValueError unless 0 < budget <= 1: a byte budget is a fraction of the BF16 cache."""
+    if not 0 < budget <= 1:
+        raise ValueError(f"a byte budget is a fraction of the BF16 cache in (0, 1], got {budget}")
+
+
 @dataclass
 class Allocation:
     config: CacheConfig  # cfg with the chosen per-layer formats
     fraction: float  # at `context`, the mean over layers
     context: int
     errors: dict  # (layer, path) -> {format: attention-output NMSE (RTN)}
+    budget: float  # the fraction asked for
+
+    def summary(self) -> str:
+        """One log line: the budget, the formats chosen per layer and the fraction they take."""
+        return (f"budget {100 * self.budget:.1f} % of BF16 at {self.context} tokens: chose, per layer (content / "
+                f"rope), {', '.join(f'{c}/{r}' for c, r in self.config.per_layer)} = {100 * self.fraction:.2f} % "
+                "(before choosing clipping ratios, which cost no bytes)")
 
 
 def rope_error(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, cfg: CacheConfig, ref) -> torch.Tensor:
@@ -130,8 +143,7 @@ def choose_formats(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: 
     """Per path and layer, the candidate formats of least summed attention-output error (RTN) whose cache, at
     `context` tokens, is at most `budget` of BF16's (mean over layers). Raises ValueError when even int2
     everywhere exceeds the budget."""
-    if not 0 < budget <= 1:
-        raise ValueError(f"--budget is a fraction of the BF16 cache in (0, 1], got {budget}")
+    check_budget(budget)
     layer0 = layers[0]
     dc, dr = layer0.kv_lora_rank, layer0.rope_dim
     cfg = cfg.fit(dc, dr)
@@ -152,4 +164,4 @@ def choose_formats(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: 
     formats = {k: list(errors[k])[i] for k, i in zip(keys, picked)}
     pairs = tuple((formats[(l.cache_idx, "content")], formats[(l.cache_idx, "rope")]) for l in layers)
     mean_body = sum(bytes_per_token(c, dc) + bytes_per_token(r, dr) for c, r in pairs) / len(pairs)
-    return Allocation(replace(cfg, layers=pairs), fraction_at(mean_body, bf16, cfg, context), context, errors)
+    return Allocation(replace(cfg, layers=pairs), fraction_at(mean_body, bf16, cfg, context), context, errors, budget)
