@@ -8,6 +8,8 @@ Writes benchmarks/results/eval_methods.json (every number, the settings, the com
     python benchmarks/eval_methods.py --methods bf16,rtn --samples 2 --lengths 512 --out /tmp/x
     python benchmarks/eval_methods.py --device cuda --lengths 512,1024,2048 --samples 200 --scored 512 \
         --batch 100                                          # the committed 2 K results (older protocol)
+    python benchmarks/eval_methods.py --methods rtn@int4/int4,quantmla@budget=0.2823 --samples 2 --lengths 512 \
+        --out /tmp/y                                         # formats chosen per layer for 28.23 % of BF16 at 128 K
     python benchmarks/eval_methods.py --merge /tmp/a.json /tmp/b.json --out benchmarks/results/x
                                                              # one table from parts run in separate calls
 
@@ -36,7 +38,7 @@ import torch
 from quantmla.config import QuantFormat
 from quantmla.data import resolve_model_dir, tokenizer_for
 from quantmla.eval.baselines import KIVI_TOKENS, RECENT, SINK
-from quantmla.eval.methods import METHODS, MethodArgs
+from quantmla.eval.methods import METHODS, MethodArgs, check_method
 from quantmla.eval.suite import EvalSettings, evaluate
 from quantmla.models import load_model
 
@@ -54,16 +56,22 @@ ACCURACY = (
 
 
 def parse_rows(text: str) -> list[tuple[str, MethodArgs]]:
-    """'method', 'method@CONTENT/ROPE' or 'method@CONTENT/ROPE+rRECENT' (a BF16 window of RECENT tokens),
-    comma-separated."""
+    """'method', 'method@CONTENT/ROPE' or 'method@budget=F' (quantmla, quantmla-t: formats chosen per path and
+    layer to fit F of BF16's bytes at 128 K tokens), each optionally followed by '+rRECENT' (a BF16 window of
+    RECENT tokens), comma-separated. A bad spec exits with its message before any model is loaded."""
     rows = []
     for spec in (r.strip() for r in text.split(",") if r.strip()):
-        spec, _, recent = spec.partition("+r")
-        method, _, formats = spec.partition("@")
-        if method not in METHODS:
-            raise SystemExit(f"unknown method {method!r}; known: {', '.join(METHODS)}")
-        content, _, rope = formats.partition("/")
-        rows.append((method, MethodArgs(content or None, rope or None, recent=int(recent) if recent else None)))
+        head, _, recent = spec.partition("+r")
+        method, _, formats = head.partition("@")
+        budget = formats.removeprefix("budget=") if formats.startswith("budget=") else None
+        content, _, rope = ("" if budget is not None else formats).partition("/")
+        try:
+            args = MethodArgs(content or None, rope or None, recent=int(recent) if recent else None,
+                              budget=None if budget is None else float(budget))
+            check_method(method, args)
+        except ValueError as e:
+            raise SystemExit(f"--methods {spec!r}: {e}") from None
+        rows.append((method, args))
     return rows
 
 
@@ -172,7 +180,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="checkpoint directory (default: the shipped default model)")
     ap.add_argument("--methods", default=",".join(METHODS),
-                    help="comma-separated METHOD or METHOD@CONTENT/ROPE (default: every method at its defaults); "
+                    help="comma-separated METHOD, METHOD@CONTENT/ROPE or quantmla@budget=F (F of BF16's bytes at "
+                         "128 K, formats chosen per layer) (default: every method at its defaults); "
                          "'accuracy' = the issue-4 table: every method at int4/int4, int2/int4, int4/bf16")
     ap.add_argument("--lengths", default="512,2048", help="needle lengths; ppl/kl windows use the longest")
     ap.add_argument("--samples", type=int, default=4, help="ppl/kl windows and needle samples per cell")
@@ -218,7 +227,7 @@ def main(argv=None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     for m, method_args in rows:
         r = evaluate(model, tokenizer, m, method_args, settings).to_dict()
-        print(f"{m:12s} {r['content']:>7s}/{r['rope']:<7s} {r['bytes_per_token']:7.1f} B/token "
+        print(f"{r['method']:12s} {r['content']:>7s}/{r['rope']:<7s} {r['bytes_per_token']:7.1f} B/token "
               f"({r['bytes_per_token_long']:.1f} @128K, sink+recent {r['sink']}+{r['recent']})  ppl "
               f"{r['ppl']:.4f}  kl {r['kl']:.3e}  niah {r['niah']}  ({r['seconds']:.0f} s)", flush=True)
         results.append(r)

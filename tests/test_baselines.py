@@ -367,6 +367,52 @@ def test_quantmla_uses_a_calibrated_section_or_calibrates_first(capsys):
         quantmla(model, MethodArgs(content="int2"))
 
 
+def test_quantmla_budget_chooses_per_layer_formats_within_the_budget(capsys):
+    from quantmla.calibrate.budget import choose_formats
+    from quantmla.eval.suite import LONG_CONTEXT, measure_bytes_per_token
+
+    model = tiny_model("deepseek_v3")
+    layers = describe(model)
+    dc, dr = layers[0].kv_lora_rank, layers[0].rope_dim
+    int4 = measure_bytes_per_token(CacheConfig("int4", "int4", 4, 128).fit(dc, dr), dc, dr, LONG_CONTEXT)
+    budget = 0.25  # below int4/int4 here (33.4 %): formats that ignored the budget would not fit
+    assert int4 / (2 * (dc + dr)) > budget
+    new, cfg = quantmla(model, MethodArgs(budget=budget), FAST_CALIBRATION)
+    assert new is not model and "budget 25.0 % of BF16 at 131072 tokens: chose" in capsys.readouterr().out
+    fraction = measure_bytes_per_token(cfg, dc, dr, LONG_CONTEXT) / (2 * (dc + dr))
+    assert budget - 0.05 < fraction <= budget  # measured from the cache, and (nearly) spent
+    # per layer, the formats `quantmla calibrate --budget` chooses on the same calibration windows (the search
+    # after it only picks clipping ratios, which keep bits and groups)
+    ids = calibration_ids(model, FAST_CALIBRATION.samples, FAST_CALIBRATION.length)
+    alloc = choose_formats(model, layers, ids, CacheConfig("int4", "int4", 4, 128), budget)
+    shape = lambda pairs: [tuple((f.kind, f.group, f.axis) for f in pair) for pair in pairs]  # noqa: E731
+    assert cfg.layers is not None and shape(cfg.per_layer) == shape(alloc.config.per_layer)
+
+
+@pytest.mark.parametrize("args,match", [
+    (dict(budget=0.0), "fraction of the BF16 cache in \\(0, 1\\], got 0.0"),
+    (dict(budget=1.5), "got 1.5"),
+    (dict(budget=-0.2), "got -0.2"),
+    (dict(budget=float("nan")), "got nan"),
+    (dict(budget=0.3, content="int4"), "chooses the formats per layer; it cannot be given with content/rope"),
+    (dict(budget=0.3, rope="int8"), "cannot be given with content/rope formats \\(None/int8\\)"),
+])
+def test_bad_budgets_raise(args, match):
+    with pytest.raises(ValueError, match=match):
+        MethodArgs(**args)
+
+
+def test_budget_needs_an_uncalibrated_model_and_a_budgeted_method():
+    from quantmla.eval.methods import apply_method
+
+    model = tiny_model("deepseek_v3")
+    model.config.quantmla = {"method": "quantmla", **CacheConfig("int4:32", "int4:16", 4, 64).to_dict()}
+    with pytest.raises(ValueError, match="already calibrated .* a byte budget needs the original checkpoint"):
+        quantmla(model, MethodArgs(budget=0.3))
+    with pytest.raises(ValueError, match="method 'rtn' takes no byte budget; quantmla and quantmla-t do"):
+        apply_method("rtn", model, MethodArgs(budget=0.3))
+
+
 def test_registered_as_eval_methods():
     from quantmla.eval.methods import METHODS, apply_method
 

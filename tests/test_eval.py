@@ -169,3 +169,30 @@ def test_eval_methods_parts_merge(tiny_dir, tmp_path):
     assert eval_methods.main(common[:-1] + ["8", "--methods", "bf16", "--out", str(tmp_path / "c")]) == 0
     with pytest.raises(SystemExit, match="other settings"):
         eval_methods.main(["--merge", parts[0], str(tmp_path / "c.json"), "--out", str(tmp_path / "ac")])
+
+
+def test_eval_methods_budget_row(tiny_dir, tmp_path, monkeypatch):
+    """quantmla@budget=F: a row labelled with the budget, per-layer formats in the format columns, bytes
+    measured as for every row; bad specs stop before the model is loaded."""
+    import sys
+    from pathlib import Path
+
+    from quantmla.eval.baselines import Calibration, quantmla
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import eval_methods
+
+    fast = Calibration(samples=3, length=160, steps=2)
+    monkeypatch.setitem(METHODS, "quantmla", lambda model, args: quantmla(model, args, fast))
+    out = tmp_path / "b"
+    assert eval_methods.main(["--model", str(tiny_dir), "--lengths", "96", "--samples", "1", "--scored", "16",
+                              "--methods", "rtn@int4/int4,quantmla@budget=0.25", "--out", str(out)]) == 0
+    rtn, budget = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert budget["method"] == "quantmla b=0.25" and "|" in budget["content"] + budget["rope"]
+    assert budget["percent_of_bf16_long"] <= 25 < rtn["percent_of_bf16_long"]
+    assert len(budget["settings"]["cache"]["layers"]) == 3  # (at 96 tokens every row is the BF16 window)
+    assert "| quantmla b=0.25 |" in out.with_suffix(".md").read_text()
+    for spec, message in (("rtn@budget=0.3", "'rtn' takes no byte budget"), ("quantmla@budget=2", "got 2.0"),
+                          ("quantmla@budget=x", "could not convert"), ("nope", "unknown method 'nope'")):
+        with pytest.raises(SystemExit, match=message):
+            eval_methods.parse_rows(spec)

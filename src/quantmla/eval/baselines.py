@@ -1,7 +1,8 @@
 """The baselines and quantmla itself as `quantmla eval --method` choices.
 
 Each is `fn(model, args) -> (model, CacheConfig)` as in `eval.methods` (args: a `MethodArgs`, read only for
-.content/.rope/.sink/.recent). A method that folds a transform returns a deep copy and leaves `model` alone.
+.content/.rope/.sink/.recent, and .budget by quantmla). A method that folds a transform returns a deep copy
+and leaves `model` alone.
 Every method keeps the project's protected tokens (sink 4, recent 128) unless --sink/--recent say otherwise,
 so that in the accuracy table only the quantizer differs.
 
@@ -22,7 +23,10 @@ so that in the accuracy table only the quantizer differs.
                magnitudes; both folded. Statistics from the built-in calibration text. Formats as rtn.
   quantmla     our method: a checkpoint with a `quantmla` section (from `quantmla calibrate`) is used as is;
                any other is calibrated first (calibrate.driver.calibrate_model on a copy; says so on stdout),
-               with the default (servable) search space: transforms x clipping ratios.
+               with the default (servable) search space: transforms x clipping ratios. With a byte budget
+               (`quantmla@budget=F` in benchmarks/eval_methods.py) the formats are first chosen per path and
+               layer to fit F of BF16's bytes at 128 K tokens (calibrate.budget.choose_formats on the
+               calibration windows, both as `quantmla calibrate --budget F` has them), then calibrated for.
   quantmla-t   the same with token-axis (KIVI-style) points in the search too: not servable by the paged
                engine; it measures what serving token-axis groups would add.
 """
@@ -208,6 +212,10 @@ class Calibration:
 
 def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -> tuple[nn.Module, CacheConfig]:
     section = getattr(model.config, SECTION, None)  # from_pretrained keeps config.json's quantmla section
+    if section and args.budget is not None:
+        raise ValueError(f"this checkpoint is already calibrated (its config.json has a '{SECTION}' section, "
+                         f"formats {section.get('content')}/{section.get('rope')}); a byte budget needs the "
+                         "original checkpoint")
     if section:
         config, layer = CacheConfig.from_dict(section), describe(model)[0]
         dims = {"content": layer.kv_lora_rank, "rope": layer.rope_dim}
@@ -217,6 +225,7 @@ def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -
                                  f"--{path} {given} needs a calibration of the original checkpoint")
         return model, replace(config, sink=config.sink if args.sink is None else args.sink,
                               recent=config.recent if args.recent is None else args.recent)
+    from quantmla.calibrate.budget import choose_formats
     from quantmla.calibrate.driver import calibrate_model, chosen_config
     from quantmla.calibrate.space import SearchSpace
 
@@ -225,12 +234,18 @@ def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -
     if ids.shape[0] < 3:
         raise ValueError(f"need at least 3 calibration windows of {ids.shape[1]} tokens (fit / select / report); "
                          "the text has fewer")
-    print(f"quantmla: the model has no '{SECTION}' section (uncalibrated): calibrating first, content "
-          f"{config.content}, rope {config.rope}, {ids.shape[0]} x {ids.shape[1]} tokens, {calibration.steps} "
-          "steps per path (save a calibrated checkpoint with `quantmla calibrate` to skip this)", flush=True)
+    formats = (f"a byte budget of {args.budget}" if args.budget is not None
+               else f"content {config.content}, rope {config.rope}")
+    print(f"quantmla: the model has no '{SECTION}' section (uncalibrated): calibrating first, {formats}, "
+          f"{ids.shape[0]} x {ids.shape[1]} tokens, {calibration.steps} steps per path (save a calibrated "
+          "checkpoint with `quantmla calibrate` to skip this)", flush=True)
     model = copy.deepcopy(model)
-    torch.manual_seed(calibration.seed)
     layers = describe(model)
+    if args.budget is not None:
+        allocation = choose_formats(model, layers, ids, config, args.budget)
+        config = allocation.config
+        print(f"quantmla: {allocation.summary()}", flush=True)
+    torch.manual_seed(calibration.seed)  # after the format choice, as `quantmla calibrate` seeds
     reports = calibrate_model(model, layers, ids, config, calibration.steps, calibration.seed,
                               space=SearchSpace(token_axis=calibration.token_axis))
     return model, chosen_config(config.fit(layers[0].kv_lora_rank, layers[0].rope_dim), reports)

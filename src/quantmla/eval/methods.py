@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from quantmla.calibrate.budget import check_budget
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.eval.baselines import BASELINES
 from quantmla.models.adapters import describe
@@ -30,12 +31,17 @@ from quantmla.models.adapters import describe
 
 @dataclass(frozen=True)
 class MethodArgs:
-    """The user's choices; None leaves the method's default. Formats are spelled as on the command line."""
+    """The user's choices; None leaves the method's default. Formats are spelled as on the command line.
+
+    budget: the cache as a fraction of BF16's at 128 K tokens (`calibrate.budget.CONTEXT`), in (0, 1]; the
+    method then chooses the formats per path and layer (only `BUDGETED` methods take one), so it excludes
+    content and rope."""
 
     content: str | None = None
     rope: str | None = None
     sink: int | None = None
     recent: int | None = None
+    budget: float | None = None
 
     def __post_init__(self):
         for spec in (self.content, self.rope):
@@ -44,6 +50,11 @@ class MethodArgs:
         for name in ("sink", "recent"):
             if (getattr(self, name) or 0) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.budget is not None:
+            check_budget(self.budget)
+            if self.content is not None or self.rope is not None:
+                raise ValueError(f"a byte budget ({self.budget}) chooses the formats per layer; it cannot be given "
+                                 f"with content/rope formats ({self.content}/{self.rope})")
 
 
 def _pick(value, default):
@@ -86,11 +97,27 @@ METHODS: dict[str, Callable[[nn.Module, MethodArgs], tuple[nn.Module, CacheConfi
 }
 
 
-def apply_method(name: str, model: nn.Module, args: MethodArgs = MethodArgs()) -> tuple[nn.Module, CacheConfig]:
-    """(model to run, cache config fitted to the model's dims). Raises ValueError on an unknown method or a
-    format that does not fit the model (e.g. a group that does not divide the path)."""
+BUDGETED = ("quantmla", "quantmla-t")  # the methods that read MethodArgs.budget
+
+
+def check_method(name: str, args: MethodArgs) -> None:
+    """Raises ValueError on an unknown method, or on a budget for a method that would ignore it."""
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
+    if args.budget is not None and name not in BUDGETED:
+        raise ValueError(f"method {name!r} takes no byte budget; {' and '.join(BUDGETED)} do "
+                         f"(e.g. quantmla@budget={args.budget})")
+
+
+def label(name: str, args: MethodArgs) -> str:
+    """A results row's method column: the name, and the budget where one chose the formats."""
+    return name if args.budget is None else f"{name} b={args.budget:g}"
+
+
+def apply_method(name: str, model: nn.Module, args: MethodArgs = MethodArgs()) -> tuple[nn.Module, CacheConfig]:
+    """(model to run, cache config fitted to the model's dims). Raises ValueError as `check_method` does, or on
+    a format that does not fit the model (e.g. a group that does not divide the path)."""
+    check_method(name, args)
     model, config = METHODS[name](model, args)
     layer = describe(model)[0]
     return model, config.fit(layer.kv_lora_rank, layer.rope_dim)

@@ -25,7 +25,7 @@ from quantmla.config import CacheConfig
 from quantmla.data import encode, read_text, token_windows
 from quantmla.eval import perplexity, retrieval
 from quantmla.eval.baselines import method_info
-from quantmla.eval.methods import MethodArgs, apply_method
+from quantmla.eval.methods import MethodArgs, apply_method, label
 from quantmla.models.adapters import describe
 from quantmla.quant.formats import bytes_per_token
 
@@ -63,7 +63,7 @@ class EvalSettings:
 
 @dataclass
 class EvalResult:
-    method: str
+    method: str  # the name, with " b=F" where a byte budget chose the formats (`methods.label`)
     content: str
     rope: str
     sink: int
@@ -143,7 +143,8 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
     dc, dr = layer.kv_lora_rank, layer.rope_dim
     longest = max(settings.lengths)
     result = EvalResult(
-        method=method, content=_formats(config, 0), rope=_formats(config, 1), sink=config.sink, recent=config.recent,
+        method=label(method, args), content=_formats(config, 0), rope=_formats(config, 1), sink=config.sink,
+        recent=config.recent,
         bytes_per_token=measure_bytes_per_token(config, dc, dr, longest),
         bytes_per_token_body=body_bytes_per_token(config, dc, dr),
         bytes_per_token_bf16=2 * (dc + dr), bytes_length=longest,
