@@ -164,9 +164,10 @@ def markdown(results: list[dict], meta: dict) -> str:
         "| online FLOPs/token | ppl | KL | " + " | ".join(cols) + " |",
         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(cols),
     ]
+    cell = lambda text: text.replace("|", "\\|")  # noqa: E731  (per-layer formats are joined by '|')
     for r in results:
         acc = [f"{100 * r['niah'][t][str(n)]:.1f}" for t in tasks for n in lengths]
-        lines.append(f"| {r['method']} | {r['content']} | {r['rope']} | {r['sink']}+{r['recent']} | "
+        lines.append(f"| {r['method']} | {cell(r['content'])} | {cell(r['rope'])} | {r['sink']}+{r['recent']} | "
                      f"{r['bytes_per_token']:.1f} | {r['percent_of_bf16']:.1f} | "
                      f"{r.get('bytes_per_token_long', 0):.1f} | {r.get('percent_of_bf16_long', 0):.2f} | "
                      f"{r['bytes_per_token_body']:g} | "
