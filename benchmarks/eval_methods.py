@@ -252,8 +252,8 @@ def merge(parts: list[Path], out: Path) -> None:
             "date_utc": max(d["date_utc"] for d in data), "parts": [str(p) for p in parts]}
     results = [r for d in data for r in d["results"]]
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(results, meta))
+    Path(f"{out}.json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
+    Path(f"{out}.md").write_text(markdown(results, meta))
 
 
 def write(out: Path, results: list[dict], args, argv, model_dir: Path, t0: float) -> None:
@@ -267,8 +267,8 @@ def write(out: Path, results: list[dict], args, argv, model_dir: Path, t0: float
         "torch": torch.__version__, "seconds": time.perf_counter() - t0, "settings": results[0]["settings"],
     }
     results = json.loads(json.dumps(results))  # as stored: needle lengths become string keys
-    out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
-    out.with_suffix(".md").write_text(markdown(results, meta))
+    Path(f"{out}.json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
+    Path(f"{out}.md").write_text(markdown(results, meta))
 
 
 if __name__ == "__main__":

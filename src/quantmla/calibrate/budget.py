@@ -68,7 +68,7 @@ class Allocation:
 
 def rope_error(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, cfg: CacheConfig, ref) -> torch.Tensor:
     """Attention-output NMSE with only the RoPE cache quantized (cfg.rope, RTN, the serving policy)."""
-    quantized = quantized_keys(q_pos, k_pe.shape[1], cfg, cfg.rope).float()
+    quantized = quantized_keys(q_pos.to(k_pe.device), k_pe.shape[1], cfg, cfg.rope).float()
     delta = quantize_body(k_pe, cfg.rope, cfg.sink, fake_quantize) - k_pe
     latent = policy_attention(q_abs, q_pe, c, k_pe, scale, q_pos, quantized, None, delta)
     out = torch.einsum("bhtc,hvc->bhtv", latent, w_uv)
@@ -94,8 +94,8 @@ def format_errors(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: C
         q_pe = q_pe[:, :, pos].float()
         c, k_pe, w_uv = cap.c.float(), cap.k_pe.float(), w_uv.float()
         ref = attention_heads(q_abs, q_pe, c, k_pe, w_uv, layer.softmax_scale, pos)
-        gamma = torch.ones(c.shape[-1])
-        eye = torch.eye(c.shape[-1])
+        gamma = torch.ones(c.shape[-1], device=c.device)
+        eye = torch.eye(c.shape[-1], device=c.device)
         batch = (q_abs, q_pe, c, k_pe, w_uv, layer.softmax_scale, pos, ref)
         out[(layer.cache_idx, "content")] = {
             f: 0.0 if f.kind == "bf16" else float(content_error(batch, gamma, eye, gamma, replace(cfg, content=f),
