@@ -53,3 +53,28 @@ def test_moe_model_graphs_eager_and_preemption_agree():
     # unlike the fp32 CPU engine (tests/test_engine.py: identical) a near-tie may flip a late greedy token.
     agree = sum(x == y for g, e in zip(got, eager) for x, y in zip(g, e)) / sum(map(len, eager))
     assert agree > 0.6, agree
+
+
+def test_per_layer_formats_of_a_budget_calibration_graphs_equal_eager(tmp_path):
+    """The formats `quantmla calibrate --budget 0.2823` chose for the default model (int8 and 16-channel RoPE
+    groups, INT2 and 128-channel content groups, clipping): each layer's pool holds its own format on the GPU,
+    and graph replay equals eager decode."""
+    import json
+    import shutil
+
+    from quantmla.data import default_model_dir
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(default_model_dir(), path)
+    cfg = json.loads((path / "config.json").read_text())
+    layers = [["int4:32c0.95", "int8"], ["int4:128", "int8"], ["int2c0.85", "int4:16"], ["int4", "int8:32"]]
+    cfg["quantmla"] = {"method": "quantmla", "content": "int4", "rope": "int4", "sink": 4, "recent": 32,
+                       "layers": layers}
+    (path / "config.json").write_text(json.dumps(cfg))
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    kw = dict(max_num_seqs=16, kv_cache_bytes=256 << 20)
+    graphed, eager = LLM(path, **kw), LLM(path, **kw, cuda_graphs=False)
+    assert [[str(c.content.fmt), str(c.rope.fmt)] for c in graphed.runner.caches] == layers
+    a = [o.token_ids for o in graphed.generate(PROMPTS, params)]
+    assert a == [o.token_ids for o in eager.generate(PROMPTS, params)]
+    assert graphed.stats()["pages_used"] == 0
