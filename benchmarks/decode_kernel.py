@@ -94,7 +94,7 @@ def build(fmt: str, batch: int, ctx: int, seed: int = 0) -> tuple:
     """A full cache of `batch` sequences of `ctx` tokens: random latents quantized by the real writer's
     quantize(), shuffled block tables, protected rows filled. Returns (cache, tables, seq_lens, slots)."""
     torch.manual_seed(seed)
-    cfg = CacheConfig(*FORMATS[fmt])
+    cfg = CacheConfig(*FORMATS.get(fmt, fmt.split("/")))  # a named format or any CONTENT/ROPE spec
     per_seq = -(-ctx // PAGE)
     nb = batch * per_seq
     cache = PagedMLACache.allocate(cfg, DC, DR, nb, batch, block_size=PAGE, device="cuda")
@@ -232,7 +232,8 @@ def main():
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="4096,16384,65536")
     ap.add_argument("--heads", default="16,128")
-    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help="comma-separated names of FORMATS or any CONTENT/ROPE pair, e.g. int4:128/int8")
     ap.add_argument("--rep", type=float, default=20, help="timed replays per row: about this many ms")
     ap.add_argument("--no-tune", action="store_true", help="use default_config instead of the candidates")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
