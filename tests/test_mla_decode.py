@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="the decode kernel needs triton")
 
 from quantmla.cache.paged import PagedMLACache, make_block_tables  # noqa: E402
+from quantmla.cache.policy import block_of, quantized_end  # noqa: E402
 from quantmla.config import CacheConfig  # noqa: E402
 from quantmla.kernels.mla_decode import KernelConfig, default_config, mla_decode, mla_decode_reference  # noqa: E402
 from quantmla.quant.formats import dequantize, quantize  # noqa: E402
@@ -88,42 +89,66 @@ def test_reference_matches_naive_softmax_attention():
 # --- the paged writer ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmts", [("int4", "int4:32"), ("int2", "int4:32"), ("fp8:32", "bf16")])
-def test_pool_holds_quantize_codes_and_window_moves_on_time(fmts):
-    dc, dr, sink, recent, page = 64, 32, 4, 8, 16
+def quantized_positions(cache, path, L):
+    """[L] bool: the positions `path` holds in the pool (the rule of quantmla.cache.policy)."""
+    pos = torch.arange(L, device=DEV)
+    return (pos >= cache.sink) & (pos < quantized_end(L, cache.sink, cache.recent, block_of(path.fmt)))
+
+
+def check_pools_and_window(cache, slot, table, c, r, L, only_quantized=True):
+    """The pools hold quantize()'s codes (and scales, at their scale rows) of the positions the rule has
+    quantized (and, only_quantized, no others: the decode writer also writes rows no reader looks at); the
+    protected rows hold the others exactly, in the documented rows."""
+    pos = torch.arange(L, device=DEV)
+    rows = cache.pool_rows(table, pos)
+    for (path, prot), x in zip(cache.paths(), (c, r)):
+        quant = quantized_positions(cache, path, L)
+        if path.scale is not None and only_quantized:  # exactly the quantized positions' scale rows were written
+            written = torch.zeros(path.scale[..., 0].numel(), dtype=torch.bool, device=DEV)
+            if quant.any():
+                written[cache.scale_rows(path, table, pos[quant])] = True
+            assert torch.equal(~torch.isnan(path.scale.view(-1, path.scale.shape[-1])[:, 0].float()), written), L
+        if quant.any():
+            want = quantize(x[:L][quant], path.fmt)
+            srows = cache.scale_rows(path, table, pos[quant])[:: block_of(path.fmt)]
+            for i, (pool, val) in enumerate(zip(path.tensors(), want.tensors())):
+                at = rows[quant] if i == 0 else srows
+                assert torch.equal(pool.view(-1, pool.shape[-1])[at], val.to(pool.dtype)), (L, i)
+        prot_pos = pos[~quant]
+        assert torch.equal(prot[slot, cache.protected_row(prot_pos)], x[prot_pos]), L
+
+
+@pytest.mark.parametrize("fmts", [("int4", "int4:32"), ("int2", "int4:32"), ("fp8:32", "bf16"),
+                                  ("int4:t8", "int4:32"), ("int4", "int2:t4"), ("int2:t16", "int4:t4"),
+                                  ("bf16", "int8:t8")])
+@pytest.mark.parametrize("sink", [4, 0])
+def test_pool_holds_quantize_codes_and_window_moves_on_time(fmts, sink):
+    dc, dr, recent, page = 64, 32, 8, 16
     cfg = CacheConfig(*fmts, sink=sink, recent=recent)
-    table, nb = make_block_tables([60], page, generator=torch.Generator().manual_seed(0))
+    table, nb = make_block_tables([90], page, generator=torch.Generator().manual_seed(0))
     cache = PagedMLACache.allocate(cfg, dc, dr, nb, 2, block_size=page, device=DEV, fill=NAN)
     table = table[0].to(DEV)
-    c = torch.randn(60, dc, device=DEV).bfloat16()
-    r = torch.randn(60, dr, device=DEV).bfloat16()
+    c = torch.randn(90, dc, device=DEV).bfloat16()
+    r = torch.randn(90, dr, device=DEV).bfloat16()
     L = 0
-    for n in [1, 2, 5, 1, 1, 9, 1, 30, 1, 9]:
+    for n in [1, 2, 5, 1, 1, 9, 1, 30, 1, 9, 3, 1, 26]:
         cache.append(1, table, L, c[L : L + n], r[L : L + n])
         L += n
-        pos = torch.arange(L, device=DEV)
-        quant = (pos >= sink) & (pos < L - recent)
-        rows = cache.pool_rows(table, pos)
-        # Exactly the positions that left the window hold codes, and they are quantize()'s codes.
-        written = ~torch.isnan(cache.content.scale.view(-1, cache.content.scale.shape[-1])[rows, 0].float())
-        assert torch.equal(written, quant), L
-        if quant.any():
-            for path, x in ((cache.content, c[:L][quant]), (cache.rope, r[:L][quant])):
-                want = quantize(x, path.fmt)
-                for pool, val in zip(path.tensors(), want.tensors()):
-                    assert torch.equal(pool.view(-1, pool.shape[-1])[rows[quant]], val.to(pool.dtype))
-        # Protected tokens are exact (bf16) and in the documented rows.
-        prot = pos[~quant]
-        prow = cache.protected_row(prot)
-        assert torch.equal(cache.protected_content[1, prow], c[prot])
-        assert torch.equal(cache.protected_rope[1, prow], r[prot])
+        check_pools_and_window(cache, 1, table, c, r, L)
+
+
+def band_of(cache, path, start, end):
+    """The band of a chunk [start, end) in one path: [quantized_end(start + 1), quantized_end(end))."""
+    q = lambda n: quantized_end(n, cache.sink, cache.recent, block_of(path.fmt))  # noqa: E731
+    return q(start + 1), q(end)
 
 
 @pytest.mark.parametrize("cfg", [("int4", "int4:32", 4, 8), ("int2", "fp8:0", 0, 8), ("int4", "fp8:32", 3, 0),
-                                 ("bf16", "bf16", 4, 8)])
+                                 ("bf16", "bf16", 4, 8), ("int4:t8", "int4:t8", 4, 8), ("int4", "int4:t16", 3, 5),
+                                 ("int2:t4", "bf16", 0, 0), ("int4:t16", "int2:t8", 5, 0)])
 def test_chunk_view_is_the_served_cache_and_its_band(cfg):
     """write_chunk's view (built from the values it writes) = gather() after the chunk, and its band = the
-    positions a query of the chunk sees unquantized although the served cache has them quantized."""
+    positions each path has quantized after the chunk but not in the cache the chunk's first query sees."""
     dc, dr, page = 64, 32, 16
     cc = CacheConfig(cfg[0], cfg[1], sink=cfg[2], recent=cfg[3])
     table, nb = make_block_tables([90], page, generator=torch.Generator().manual_seed(3))
@@ -136,18 +161,20 @@ def test_chunk_view_is_the_served_cache_and_its_band(cfg):
         view = cache.write_chunk(2, cache.chunk_rows(table, start, n), c[start:end], r[start:end], view_dtype=torch.float32)
         served = cache.gather(2, table, end, torch.float32)
         assert torch.equal(view.c, served[0]) and torch.equal(view.k_pe, served[1]), (start, n)
-        sink, recent = cache.sink, cache.recent
-        lo, hi = max(sink, start + 1 - recent), max(sink, end - recent)
-        lo = min(lo, hi) if recent else hi
-        assert torch.equal(view.band_c, c[lo:hi].float()) and torch.equal(view.band_r, r[lo:hi].float())
-        bands += hi - lo
+        for path, x, band in ((cache.content, c, view.band_c), (cache.rope, r, view.band_r)):
+            lo, hi = band_of(cache, path, start, end)
+            assert torch.equal(band, x[lo:hi].float())
+            bands += hi - lo
+        check_pools_and_window(cache, 2, table, c, r, end)
         start = end
-    assert bands > 0 or cache.recent == 0
+    assert bands > 0 or cache.window == 0
 
 
-@pytest.mark.parametrize("cfg", [("int4", "int4:32", 4, 8), ("int2", "bf16", 0, 8), ("int4", "int4:32", 3, 0)])
+@pytest.mark.parametrize("cfg", [("int4", "int4:32", 4, 8), ("int2", "bf16", 0, 8), ("int4", "int4:32", 3, 0),
+                                 ("int4:t8", "int4:32", 4, 8), ("int4", "int2:t16", 3, 5), ("int4:t4", "int4:t8", 0, 0),
+                                 ("int8:t16", "int4:t16", 5, 3)])
 def test_decode_writer_matches_bulk_writer(cfg):
-    dc, dr, page, n = 64, 32, 16, 40
+    dc, dr, page, n = 64, 32, 16, 60
     cc = CacheConfig(cfg[0], cfg[1], sink=cfg[2], recent=cfg[3])
     tables, nb = make_block_tables([n, n], page)
     tables = tables.to(DEV)
@@ -158,11 +185,25 @@ def test_decode_writer_matches_bulk_writer(cfg):
     for b in range(2):
         bulk.append(b, tables[b], 0, c[b], r[b])
     slots = torch.tensor([0, 1], device=DEV)
-    for t in range(n):
-        step.append_decode(slots, tables, torch.full((2,), t, device=DEV), c[:, t], r[:, t])
+    for t in range(n + 1):  # the second sequence a step behind: their blocks complete in different steps
+        batch = torch.tensor([b for b in (0, 1) if 0 <= t - b < n], device=DEV)
+        lens = t - batch
+        step.append_decode(slots[batch], tables[batch], lens, c[batch, lens], r[batch, lens])
     for b in range(2):
         for x, y in zip(bulk.gather(b, tables[b], n), step.gather(b, tables[b], n)):
             assert torch.equal(x, y)
+        check_pools_and_window(step, b, tables[b], c[b], r[b], n, only_quantized=False)
+
+
+def test_token_axis_blocks_must_divide_the_page_and_bytes_are_counted_exactly():
+    with pytest.raises(ValueError, match="int4:t32.*divide the page size 16"):
+        PagedMLACache.allocate(CacheConfig("int4", "int4:t32"), 64, 32, 4, 1, block_size=16)
+    cache = PagedMLACache.allocate(CacheConfig("int4:t16", "int2:t8", sink=3, recent=5), 64, 32, 4, 2, block_size=16)
+    # codes per row, fp16 scale + zero per channel per block of a page
+    assert cache.page_bytes == 16 * 32 + 2 * 2 * 64 * 1 + 16 * 8 + 2 * 2 * 32 * 2
+    assert cache.body_bytes_per_token == cache.page_bytes / 16
+    assert cache.ring == 5 + 16 - 1 and cache.window == 3 + 20
+    assert cache.memory_bytes() == 4 * cache.page_bytes + 2 * cache.window * (64 + 32) * 2
 
 
 # --- the kernel ----------------------------------------------------------------------------------------------

@@ -23,13 +23,19 @@ def block_of(fmt: QuantFormat) -> int:
     return fmt.group if fmt.axis == "token" else 1
 
 
+def block_start(pos, sink: int, block: int):
+    """First position of the block of `pos` (>= sink): blocks of `block` tokens counted from sink. `pos` an
+    int or an integer tensor (elementwise)."""
+    return sink + (pos - sink) // block * block
+
+
 def quantized_end(length, sink: int, recent: int, block: int):
     """Q such that positions [sink, Q) are quantized once `length` tokens are cached: the end of the last
-    block (from sink, of `block` tokens) that lies wholly before length - recent; sink if none. `length` an
-    int (returns an int) or an integer tensor (returns one, elementwise)."""
+    block that lies wholly before length - recent; sink if none. `length` an int (returns an int) or an
+    integer tensor (returns one, elementwise)."""
     if isinstance(length, torch.Tensor):
-        return sink + (length - recent - sink).clamp_min(0) // block * block
-    return sink + max(0, length - recent - sink) // block * block
+        return block_start((length - recent).clamp_min(sink), sink, block)
+    return block_start(max(length - recent, sink), sink, block)
 
 
 def ring_size(recent: int, blocks) -> int:
@@ -44,7 +50,7 @@ def stored_from(fmt: QuantFormat, sink: int, recent: int, length: int, device=No
     if fmt.kind == "bf16":
         return torch.full_like(p, NEVER)
     block = block_of(fmt)
-    end = sink + ((p - sink).clamp_min(0) // block + 1) * block  # end of p's block
+    end = block_start(p.clamp_min(sink), sink, block) + block  # end of p's block
     return torch.where(p < sink, NEVER, end - 1 + recent)
 
 

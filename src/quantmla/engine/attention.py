@@ -47,7 +47,7 @@ class QueryBlock:
 class ChunkPlan:
     """One chunk's pool rows and query blocks for the caches of one (sink, recent) window."""
 
-    rows: ChunkRows  # where the chunk's tokens go (`PagedMLACache.chunk_rows`)
+    rows: tuple[ChunkRows, ChunkRows]  # where the chunk's tokens go (`PagedMLACache.chunk_rows`)
     blocks: list[QueryBlock]
 
     @classmethod
@@ -60,7 +60,8 @@ class ChunkPlan:
         keeps the keys of each block to those it can see: about half the causal square, and only ~block +
         recent band keys, instead of every query against the served cache and the whole band."""
         query_block = query_block or QUERY_BLOCK
-        rows = cache.chunk_rows(block_table, start, n)
+        both = cache.chunk_rows(block_table, start, n)
+        rows = both[0]  # channel formats (the runner refuses token-axis ones): one ChunkRows for both paths
         sink, recent, q_end, dev = cache.sink, cache.recent, rows.q_end, block_table.device
         blocks = []
         for lo in range(start, rows.end, query_block):
@@ -83,7 +84,7 @@ class ChunkPlan:
             mask = torch.zeros(seen.shape, dtype=dtype, device=dev).masked_fill_(~seen, float("-inf"))
             off = rows.band_start
             blocks.append(QueryBlock(slice(lo - start, hi - start), served_hi, slice(b_lo - off, b_hi - off), mask))
-        return cls(rows, blocks)
+        return cls(both, blocks)
 
 
 @dataclass

@@ -41,7 +41,7 @@ class PoolLayout:
             cfg = config.at(layer.cache_idx).fit(layer.kv_lora_rank, layer.rope_dim)  # per-layer formats
             probe = PagedMLACache.allocate(cfg, layer.kv_lora_rank, layer.rope_dim, 1, 1, block_size, "meta",
                                            dtype=dtype)  # fmt: skip
-            page += probe.body_bytes_per_token * block_size
+            page += probe.page_bytes
             slot += probe.protected_content[0].nbytes + probe.protected_rope[0].nbytes
         return cls(page, slot, block_size)
 
