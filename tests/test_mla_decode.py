@@ -14,11 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="the decode kernel needs triton")
+import triton.language as tl  # noqa: E402
 
 from quantmla.cache.paged import PagedMLACache, make_block_tables  # noqa: E402
 from quantmla.cache.policy import block_of, quantized_end  # noqa: E402
 from quantmla.config import CacheConfig  # noqa: E402
-from quantmla.kernels.mla_decode import KernelConfig, default_config, mla_decode, mla_decode_reference  # noqa: E402
+from quantmla.kernels.mla_decode import (KernelConfig, _split_codes, default_config, mla_decode,  # noqa: E402
+                                         mla_decode_reference)
 from quantmla.quant.formats import dequantize, quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -208,6 +210,89 @@ def test_token_axis_blocks_must_divide_the_page_and_bytes_are_counted_exactly():
 
 # --- the kernel ----------------------------------------------------------------------------------------------
 
+
+def _run_ptx(text: str, operands: dict[int, int]) -> dict[int, int]:
+    """Execute the few PTX instructions `_int_dequant_ptx` emits on 32-bit registers; operands maps $i to its
+    register value; returns every register afterwards (by $i for operands)."""
+    def bf16(bits):
+        return torch.tensor([bits << 16], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+    def to_bf16(x):  # round the exact value x (a double) to bf16, nearest even: one rounding, as fma.rn does
+        if x == 0:
+            return 0
+        m, e = math.frexp(x)
+        x = round(m * 256) * 2.0 ** (e - 8)
+        return (torch.tensor([x], dtype=torch.float32).view(torch.int32).item() >> 16) & 0xFFFF
+
+    regs = {f"${i}": v for i, v in operands.items()}
+    val = lambda a: regs[a] if a in regs else int(a, 0)  # noqa: E731
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            out = val(src[0])
+        elif op == "prmt.b32":
+            pool = [(val(src[0]) | val(src[1]) << 32) >> (8 * i) & 0xFF for i in range(8)]
+            out = sum(pool[(val(src[2]) >> (4 * i)) & 7] << (8 * i) for i in range(4))
+        elif op == "shr.u32":
+            out = val(src[0]) >> val(src[1])
+        elif op == "lop3.b32":
+            a, b, c, lut = map(val, src)
+            out = sum(((lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i for i in range(32))
+        elif op == "fma.rn.bf16x2":
+            a, b, c = map(val, src)
+            out = sum(to_bf16(bf16(a >> h & 0xFFFF) * bf16(b >> h & 0xFFFF) + bf16(c >> h & 0xFFFF)) << h
+                      for h in (0, 16))
+        else:
+            raise AssertionError(f"unexpected PTX instruction {op}")
+        regs[d] = out & 0xFFFFFFFF
+    return regs
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_ptx_dequant_per_group_and_per_code(bits):
+    """The inline-PTX dequantization, executed instruction by instruction on the CPU: 4 code bytes (Triton's
+    pack=4: one b32 register; bf16 operands as two registers of element pairs, element 0 in the low half) ->
+    per code k of each byte e, (code - mid) * scale_hi + centred zero, then + (code - mid) * scale_lo, each
+    rounded to bf16. Per group: one scale per byte for all its codes; per code (token-axis): each call
+    takes the scales of one code's channels and returns that code only."""
+    from quantmla.kernels.mla_decode import _int_dequant_ptx
+
+    g = torch.Generator().manual_seed(0)
+    n, mid = 8 // bits, 1 << (bits - 1)
+    as_bf16 = lambda x: x.bfloat16().view(torch.int16).int() & 0xFFFF  # noqa: E731
+    pairs = lambda b: [b[0].item() | b[1].item() << 16, b[2].item() | b[3].item() << 16]  # noqa: E731
+    for _ in range(20):
+        w = torch.randint(0, 256, (4,), generator=g)
+        codes = (w[:, None] >> (bits * torch.arange(n))) & ((1 << bits) - 1)  # [byte, code]
+        sc = torch.rand(4, n, generator=g) + 0.01
+        zr = torch.randn(4, n, generator=g)
+        hi = sc.bfloat16().float()
+        lo = (sc - hi).bfloat16().float()
+        zc = (zr + mid * sc).bfloat16().float()
+        t = (codes - mid).double()
+        want = (t * hi.double() + zc.double()).bfloat16().double()  # exact before rounding: |t * hi| has 9 bits
+        want = (t * lo.double() + want).bfloat16().float()
+        word = sum(int(w[e]) << (8 * e) for e in range(4))
+        # per group: the scale of code 0 for every code of the byte
+        ops = dict(enumerate([0] * (2 * n) + [word] + pairs(as_bf16(hi[:, 0])) + pairs(as_bf16(lo[:, 0]))
+                             + pairs(as_bf16(zc[:, 0]))))
+        regs = _run_ptx(_int_dequant_ptx(bits), ops)
+        one = ((t * hi[:, :1].double() + zc[:, :1].double()).bfloat16().double() + t * lo[:, :1].double()).bfloat16()
+        for k in range(n):
+            got = [regs[f"${2 * k + e // 2}"] >> (16 * (e % 2)) & 0xFFFF for e in range(4)]
+            assert got == as_bf16(one[:, k].float()).tolist(), (bits, k)
+        for k in range(n):  # per code: its own scale operands
+            ops = dict(enumerate([0, 0, word] + pairs(as_bf16(hi[:, k])) + pairs(as_bf16(lo[:, k]))
+                                 + pairs(as_bf16(zc[:, k]))))
+            regs = _run_ptx(_int_dequant_ptx(bits, k), ops)
+            got = [regs[f"${e // 2}"] >> (16 * (e % 2)) & 0xFFFF for e in range(4)]
+            assert got == as_bf16(want[:, k]).tolist(), (bits, k)
+            torch.testing.assert_close(want[:, k], (codes[:, k] * sc[:, k] + zr[:, k]).float(), rtol=0, atol=0.05)
+
 # Mixed lengths: empty, shorter than the window, just past it, crossing page boundaries, odd.
 LENS = [0, 7, 29, 33, 50, 97]
 
@@ -244,6 +329,61 @@ def test_kernel_matches_reference(fmts, dc, dr, H, splits, odt):
     check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.07))
 
 
+@triton.jit
+def _split_kernel(x_ptr, o_ptr, BITS: tl.constexpr, BN: tl.constexpr, DIM: tl.constexpr, GB: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, BN)[:, None] * DIM + tl.arange(0, DIM)[None, :])
+    offs = tl.arange(0, BN)[:, None, None] * GB + tl.arange(0, GB)[None, None, :]
+    if BITS == 4:
+        c0, c1 = _split_codes(x, BITS, BN, GB)
+        tl.store(o_ptr + offs, c0)
+        tl.store(o_ptr + BN * GB + offs, c1)
+    else:
+        c0, c1, c2, c3 = _split_codes(x, BITS, BN, GB)
+        tl.store(o_ptr + offs, c0)
+        tl.store(o_ptr + BN * GB + offs, c1)
+        tl.store(o_ptr + 2 * BN * GB + offs, c2)
+        tl.store(o_ptr + 3 * BN * GB + offs, c3)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_token_axis_scales_split_per_code(bits):
+    """_split_codes (the token-axis ASM path's operands, GPU only) gives code k of byte i channel
+    (8 / bits) * i + k's value: the channel the PTX call for code k dequantizes."""
+    BN, DIM = 4, 32
+    per, gb = 8 // bits, 32 * bits // 8
+    x = torch.arange(BN * DIM, dtype=torch.float32, device=DEV).view(BN, DIM)
+    out = torch.empty(per, BN, gb, device=DEV)
+    _split_kernel[(1,)](x, out, bits, BN, DIM, gb)
+    for k in range(per):
+        assert torch.equal(out[k], x[:, k::per]), k
+
+
+# Token-axis paths (sink 4, recent 24, page 16): blocks of g tokens from position 4 straddle pages; lengths
+# end before the window fills (<= 28), at its edge (28, 29), mid-block, exactly at block ends (28 + k g) and
+# across pages.
+TOKEN_LENS = [0, 3, 4, 27, 28, 29, 31, 33, 35, 36, 37, 43, 44, 47, 52, 59, 61, 64, 97]
+TOKEN_CASES = [
+    # formats, block_n (page 16), splits
+    (("int4:t8", "int4:32"), 16, 1),  # content only; a tile covers two blocks
+    (("int4", "int4:t16"), 16, 3),  # rope only; a tile is one block
+    (("int2:t8", "int4:t8"), 4, 2),  # both, one block size; tiles of half a block
+    (("int4:t4", "int2:t16"), 8, None),  # both, different blocks: the paths quantize at different lengths
+    (("int8:t8", "bf16"), 16, 1),  # beside a bf16 path (which goes to the pool token by token)
+    (("fp8", "int4:t8"), 16, 2),  # beside a channel path
+]
+
+
+@pytest.mark.parametrize("fmts,block_n,splits", TOKEN_CASES, ids=[f"{c[0][0]}-{c[0][1]}-n{c[1]}" for c in TOKEN_CASES])
+@pytest.mark.parametrize("sink", [4, 0])
+def test_kernel_token_axis_matches_reference(fmts, block_n, splits, sink):
+    dc, dr = 128, 32
+    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, TOKEN_LENS, sink=sink, chunks=[5, 20, 1, 9])
+    qn, qp = queries(len(TOKEN_LENS), 16, dc, dr)
+    cfg = KernelConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=1)
+    out, lse = mla_decode(qn, qp, cache, table, seq_lens, slots, 0.07, num_splits=splits, config=cfg)
+    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.07))
+
+
 @pytest.mark.parametrize("scores_t,values_t", [(False, True), (True, False), (True, True)])
 def test_kernel_orientations(scores_t, values_t):
     dc, dr = 256, 32
@@ -260,6 +400,10 @@ GPU_CASES = [
     ("int2", "int4", True),
     ("fp8", "bf16", True),
     ("int4", "int4", False),  # the plain-Triton dequantization, on the GPU
+    ("int4", "int4:t64", True),  # token-axis (KIVI) rope: per-channel scales per block of 64 tokens
+    ("int4:t64", "int4:t64", True),
+    ("int2:t64", "int4:t64", True),
+    ("int2:t64", "int4", False),
 ]
 
 
@@ -267,7 +411,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("content,rope,asm", GPU_CASES)
 def test_kernel_gpu_default_configs(content, rope, asm):
     """The launch defaults at serving shapes (page 64, window 4 + 128), both head classes."""
-    dc, dr, lens = 512, 64, [0, 1, 131, 133, 700, 4097]
+    dc, dr, lens = 512, 64, [0, 1, 131, 133, 195, 196, 197, 700, 4097]  # (token-axis blocks end at 132 + 64 k)
     cache, table, seq_lens, slots, _, _ = fill((content, rope), dc, dr, lens, page=64, recent=128)
     for H in (16, 128):
         qn, qp = (q.bfloat16() for q in queries(len(lens), H, dc, dr))
@@ -302,12 +446,13 @@ def test_kernel_cuda_graph_replay():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU: CUDA graphs and the CUDA sync checker")
-def test_decode_step_writer_and_kernel_in_one_cuda_graph():
+@pytest.mark.parametrize("fmts", [("int4", "int4"), ("int4", "int4:t64")])
+def test_decode_step_writer_and_kernel_in_one_cuda_graph(fmts):
     """An engine's decode step — append the new token (unchecked: no host sync), attend over the grown
     cache — captured once as a CUDA graph and replayed step after step, equals the eager checked writer
-    plus the reference; the checked writer is the one that syncs."""
-    dc, dr, lens, steps = 512, 64, [3, 130, 140], 6  # a sink token joins, the window starts to move
-    mk = lambda: fill(("int4", "int4"), dc, dr, lens, page=64, recent=128)  # noqa: E731 (same seed: same cache)
+    plus the reference; the checked writer is the one that syncs. Token-axis: a block completes at 195."""
+    dc, dr, lens, steps = 512, 64, [3, 130, 192], 6  # a sink token joins, the window starts to move
+    mk = lambda: fill(fmts, dc, dr, lens, page=64, recent=128)  # noqa: E731 (same seed: same cache)
     cache, table, seq_lens, slots, _, _ = mk()
     eager, *_ = mk()
     g = torch.Generator().manual_seed(5)
