@@ -88,8 +88,61 @@ def test_int2_greedy_equals_generate_with_quant_cache(family):
     assert engine_greedy(sharp_model(family), "bf16", "bf16", ids, NEW) != got
 
 
-@pytest.mark.parametrize("fmt", ["int4", "bf16"])
-def test_chunked_prefill_gives_the_same_cache_and_logits(monkeypatch, fmt):
+# Token-axis formats (blocks of 4 / 8 / 16 tokens from the sink at 2): prefill chunks of 16 split blocks.
+TOKEN_FMTS = [("int4", "int4:t8"), ("int2:t8", "int4:t8"), ("int2:t4", "int4:t16")]
+
+
+@pytest.mark.parametrize("fmts", TOKEN_FMTS, ids=lambda f: "-".join(f))
+@pytest.mark.parametrize("family", ["deepseek_v3", "minicpm3", "longcat_flash"])
+def test_token_axis_greedy_equals_generate_with_quant_cache(family, fmts):
+    """KIVI-style paths: a token is quantized only with its whole block, once the block has left the window.
+    The engine (chunked prefill, batched decode) gives the greedy tokens of `generate` with a QuantMLACache
+    of the same formats fed token by token, whose staging follows the same rule."""
+    ref = sharp_model(family)
+    layer = describe(ref)[0]
+    ids = prompts(ref.config.vocab_size)
+    cfg = CacheConfig(*fmts, SINK, RECENT).fit(layer.kv_lora_rank, layer.rope_dim)
+    want = [hf_greedy(ref, p, NEW, served_quant_cache(ref, p, cfg)) for p in ids]
+    got = engine_greedy(sharp_model(family), *fmts, ids, NEW)
+    assert got == want
+    if fmts[0] == "int2:t8":  # the quantized cache matters
+        assert engine_greedy(sharp_model(family), "bf16", "bf16", ids, NEW) != got
+
+
+@pytest.mark.parametrize("fmts", TOKEN_FMTS[1:], ids=lambda f: "-".join(f))
+def test_token_axis_prefill_logits_are_the_serving_evals(fmts):
+    """The engine's prefill, in chunks that split blocks, gives the last position's logits of
+    `quantmla.eval.serving` (every query of a window attends as served) for the same formats."""
+    from quantmla.eval.serving import serving_logits
+
+    model = sharp_model("deepseek_v3")
+    layer = describe(model)[0]
+    ids = prompts(model.config.vocab_size, (45, 61))
+    cfg = CacheConfig(*fmts, SINK, RECENT).fit(layer.kv_lora_rank, layer.rope_dim)
+    want = torch.cat([serving_logits(model, torch.tensor([p]), cfg, 1)[:, -1] for p in ids])
+    for chunk in (7, 16, 2048):
+        llm = LLM(model, content=fmts[0], rope=fmts[1], sink=SINK, recent=RECENT, block_size=PAGE, max_num_seqs=2,
+                  prefill_chunk=chunk)  # fmt: skip
+        for p in ids:
+            llm.add_request(p, SamplingParams(max_tokens=1))
+        seqs, _ = llm.scheduler.schedule()
+        torch.testing.assert_close(llm.runner.prefill(seqs), want, rtol=1e-5, atol=1e-5)
+        llm.close()
+    bf16 = torch.cat([serving_logits(model, torch.tensor([p]), CacheConfig.bf16(), 1)[:, -1] for p in ids])
+    assert (want - bf16).abs().max() > 1e-3  # and the formats matter
+
+
+def protected(cache, slot, table, length):
+    """Per path, the BF16 values the cache holds for a sequence (its protected positions; stale ring rows,
+    whose positions are quantized, aside)."""
+    pos = torch.arange(length)
+    return [x[(pos < cache.sink) | (pos >= cache.quantized_end(path, length))]
+            for (path, _), x in zip(cache.paths(), cache.gather(slot, table, length))]
+
+
+@pytest.mark.parametrize("fmts", [("int4", "int4"), ("bf16", "bf16"), ("int4:t8", "int4:t8"), ("int4", "int2:t4")],
+                         ids=lambda f: "-".join(f))
+def test_chunked_prefill_gives_the_same_cache_and_logits(monkeypatch, fmts):
     """Prefill in chunks of 7 and at once, with attention in blocks of 5 or 3 queries or in one block: the
     same pool bytes and the same next-token logits."""
     import quantmla.engine.attention as attention
@@ -98,21 +151,23 @@ def test_chunked_prefill_gives_the_same_cache_and_logits(monkeypatch, fmt):
     runs = []
     for chunk, query_block in ((2048, 1024), (7, 5), (2048, 3)):
         monkeypatch.setattr(attention, "QUERY_BLOCK", query_block)
-        llm = LLM(tiny_model("deepseek_v3"), content=fmt, rope=fmt, sink=SINK, recent=RECENT,
+        llm = LLM(tiny_model("deepseek_v3"), content=fmts[0], rope=fmts[1], sink=SINK, recent=RECENT,
                   block_size=PAGE, max_num_seqs=2, prefill_chunk=chunk)  # fmt: skip
         llm.add_request(ids, SamplingParams(max_tokens=2))
         seq, _ = llm.scheduler.schedule()
         logits = llm.runner.prefill(seq)
-        runs.append((logits, [c.content.codes.clone() for c in llm.runner.caches],
-                     [c.protected_content.clone() for c in llm.runner.caches]))
-    (l1, codes1, prot1) = runs[0]
-    for l2, codes2, prot2 in runs[1:]:
+        table = llm.runner.slot_tables[seq[0].slot]
+        runs.append((logits, [[t.clone() for t in (*c.content.tensors(), *c.rope.tensors())] for c in llm.runner.caches],
+                     [protected(c, seq[0].slot, table, len(ids)) for c in llm.runner.caches]))
+    (l1, pools1, prot1) = runs[0]
+    for l2, pools2, prot2 in runs[1:]:
         torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
-        if fmt == "bf16":  # the pool holds fp32 values here, which differ by the attention's summation order
-            for a, b in zip(codes1, codes2):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        else:  # codes: a last-bit difference in an activation would have to flip one to show
-            assert all(torch.equal(a, b) for a, b in zip(codes1, codes2))
+        for a, b in zip(sum(pools1, []), sum(pools2, [])):
+            if a.is_floating_point():  # bf16 pools hold fp32 values here, and fp16 scales: up to summation
+                rtol = 1e-3 if a.dtype == torch.float16 else 1e-5  # order (which may flip an fp16 rounding)
+                torch.testing.assert_close(a, b, rtol=rtol, atol=1e-5, equal_nan=True)
+            else:  # codes: a last-bit difference in an activation would have to flip one to show
+                assert torch.equal(a, b)
         torch.testing.assert_close(prot1, prot2)
 
 
@@ -131,7 +186,7 @@ def default_prompts():
     return [ids[s : s + n].tolist() for s, n in zip(starts, (12, 20, 8, 30, 16, 24))]
 
 
-@pytest.mark.parametrize("fmts", [("bf16", "bf16"), ("int4", "int4")])
+@pytest.mark.parametrize("fmts", [("bf16", "bf16"), ("int4", "int4"), ("int4", "int4:t16")])
 def test_preemption_gives_the_same_greedy_outputs(default_prompts, fmts):
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     kw = dict(content=fmts[0], rope=fmts[1], sink=4, recent=16, block_size=PAGE, max_num_seqs=6)

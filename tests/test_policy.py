@@ -36,3 +36,17 @@ def test_quant_cache_quantizes_what_the_rule_says(chunks):
         assert layer.content.n_body == quantized_end(length, 2, 3, 4) - 2
         assert layer.rope.n_body == quantized_end(length, 2, 3, 1) - 2
         assert layer.get_seq_length() == length
+
+
+@pytest.mark.parametrize("block", [1, 3, 8])
+@pytest.mark.parametrize("sink,recent", [(0, 0), (4, 0), (2, 5), (0, 6)])
+def test_quantized_end_is_what_token_by_token_staging_gives(block, sink, recent):
+    """The rule against its plain statement, simulated: tokens arrive one at a time; a token past the sink
+    that drops out of the last `recent` is staged, and every `block` staged tokens are quantized together."""
+    staged = quantized = 0
+    for length in range(1, 60):
+        if length - recent - 1 >= sink:  # position length - recent - 1 just left the window
+            staged += 1
+            if staged == block:
+                quantized, staged = quantized + block, 0
+        assert quantized_end(length, sink, recent, block) == sink + quantized, length

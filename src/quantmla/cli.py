@@ -490,8 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/health and /metrics (Prometheus). One model, n=1. Needs the serve extra "
                                    "(pip install -e '.[serve]').")
     s.add_argument("model", nargs="?", help=MODEL_HELP)
-    s.add_argument("--content", help="content format: bf16, fp8, int8, int4, int2 [:group] (default: a calibrated "
-                                     "checkpoint's own, else int4)")
+    s.add_argument("--content", help="content format: bf16, fp8, int8, int4, int2 [:group], or token-axis (KIVI-style) "
+                                     "int8/int4/int2:tTOKENS, e.g. int4:t64 (TOKENS dividing the 64-token page) "
+                                     "(default: a calibrated checkpoint's own, else int4)")
     s.add_argument("--rope", help="RoPE format, same spelling (default: a calibrated checkpoint's own, else int4)")
     s.add_argument("--sink", type=int, help="first tokens kept in BF16 (default: the checkpoint's, else 4)")
     s.add_argument("--recent", type=int, help="most recent tokens kept in BF16 (default: the checkpoint's, else 128)")

@@ -53,8 +53,6 @@ class ModelRunner:
         store_dtype = storage_dtype(next(model.parameters()).dtype, self.device)
         self.caches: list[PagedMLACache] = []
         for layer in layers:
-            if any(f.axis == "token" for f in config.at(layer.cache_idx).per_layer[0]):
-                raise ValueError("the engine does not serve token-axis formats yet")
             cache = PagedMLACache.allocate(config.at(layer.cache_idx).fit(layer.kv_lora_rank, layer.rope_dim),
                                            layer.kv_lora_rank, layer.rope_dim, num_blocks + 1, max_num_seqs + 1,
                                            block_size, self.device, dtype=store_dtype)  # fmt: skip
