@@ -216,6 +216,15 @@ def LLM_layout_bytes(llm: LLM, pages: int) -> int:
     return layout.bytes_for(pages, llm.scheduler.max_num_seqs)
 
 
+@pytest.mark.parametrize("fmts", [("int4", "int4"), ("int4", "int4:t64"), ("int2:t32", "int4:t64")])
+def test_pool_bytes_are_the_allocated_tensors(fmts):
+    """The budget's accounting (PoolLayout) is what the caches allocate, token-axis scales and the longer
+    ring included."""
+    llm = LLM(content=fmts[0], rope=fmts[1], kv_cache_bytes=8 << 20, max_num_seqs=3, dtype=torch.bfloat16)
+    assert llm.kv_cache_bytes == sum(c.memory_bytes() for c in llm.runner.caches) <= 8 << 20
+    assert llm.runner.caches[0].window == 4 + 128 + (63 if "t64" in fmts[1] else 0)
+
+
 def test_int4_pool_holds_more_tokens_in_the_same_bytes():
     budget = 64 << 20
     caps = {f: LLM(content=f, rope=f, kv_cache_bytes=budget, max_num_seqs=4, dtype=torch.bfloat16).capacity_tokens

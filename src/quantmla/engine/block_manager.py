@@ -7,7 +7,9 @@ Block `num_blocks` and slot `max_num_seqs` exist in the pools but are never hand
 CUDA-graph batch write there.
 
 Sizing (`PoolLayout`): one page costs `page_bytes` (all layers: body bytes of `block_size` quantized tokens),
-one slot `slot_bytes` (all layers: sink + recent BF16 rows of content and RoPE). From a byte budget:
+one slot `slot_bytes` (all layers: the sink + ring BF16 rows of content and RoPE; ring = recent, or recent +
+block - 1 with a token-axis path, `PagedMLACache.window`). Both are the allocated tensors' exact bytes
+(`PagedMLACache.page_bytes`: token-axis scales per block of a page included). From a byte budget:
 num_blocks = (budget - (max_num_seqs + 1) * slot_bytes) // page_bytes - 1.
 """
 
