@@ -137,7 +137,7 @@ def protected(cache, slot, table, length):
     whose positions are quantized, aside)."""
     pos = torch.arange(length)
     return [x[(pos < cache.sink) | (pos >= cache.quantized_end(path, length))]
-            for (path, _), x in zip(cache.paths(), cache.gather(slot, table, length))]
+            for (path, _, _), x in zip(cache.paths(), cache.gather(slot, table, length))]
 
 
 @pytest.mark.parametrize("fmts", [("int4", "int4"), ("bf16", "bf16"), ("int4:t8", "int4:t8"), ("int4", "int2:t4")],
@@ -222,7 +222,7 @@ def test_pool_bytes_are_the_allocated_tensors(fmts):
     ring included."""
     llm = LLM(content=fmts[0], rope=fmts[1], kv_cache_bytes=8 << 20, max_num_seqs=3, dtype=torch.bfloat16)
     assert llm.kv_cache_bytes == sum(c.memory_bytes() for c in llm.runner.caches) <= 8 << 20
-    assert llm.runner.caches[0].window == 4 + 128 + (63 if "t64" in fmts[1] else 0)
+    assert llm.runner.caches[0].rings == tuple(128 + (63 if "t64" in f else 31 if "t32" in f else 0) for f in fmts)
 
 
 def test_int4_pool_holds_more_tokens_in_the_same_bytes():

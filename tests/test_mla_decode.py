@@ -103,7 +103,7 @@ def check_pools_and_window(cache, slot, table, c, r, L, only_quantized=True):
     protected rows hold the others exactly, in the documented rows."""
     pos = torch.arange(L, device=DEV)
     rows = cache.pool_rows(table, pos)
-    for (path, prot), x in zip(cache.paths(), (c, r)):
+    for (path, prot, ring), x in zip(cache.paths(), (c, r)):
         quant = quantized_positions(cache, path, L)
         if path.scale is not None and only_quantized:  # exactly the quantized positions' scale rows were written
             written = torch.zeros(path.scale[..., 0].numel(), dtype=torch.bool, device=DEV)
@@ -117,7 +117,7 @@ def check_pools_and_window(cache, slot, table, c, r, L, only_quantized=True):
                 at = rows[quant] if i == 0 else srows
                 assert torch.equal(pool.view(-1, pool.shape[-1])[at], val.to(pool.dtype)), (L, i)
         prot_pos = pos[~quant]
-        assert torch.equal(prot[slot, cache.protected_row(prot_pos)], x[prot_pos]), L
+        assert torch.equal(prot[slot, cache.protected_row(prot_pos, ring)], x[prot_pos]), L
 
 
 @pytest.mark.parametrize("fmts", [("int4", "int4:32"), ("int2", "int4:32"), ("fp8:32", "bf16"),
@@ -204,8 +204,8 @@ def test_token_axis_blocks_must_divide_the_page_and_bytes_are_counted_exactly():
     # codes per row, fp16 scale + zero per channel per block of a page
     assert cache.page_bytes == 16 * 32 + 2 * 2 * 64 * 1 + 16 * 8 + 2 * 2 * 32 * 2
     assert cache.body_bytes_per_token == cache.page_bytes / 16
-    assert cache.ring == 5 + 16 - 1 and cache.window == 3 + 20
-    assert cache.memory_bytes() == 4 * cache.page_bytes + 2 * cache.window * (64 + 32) * 2
+    assert cache.rings == (5 + 16 - 1, 5 + 8 - 1) and cache.window == 3 + 20  # a ring per path
+    assert cache.memory_bytes() == 4 * cache.page_bytes + 2 * ((3 + 20) * 64 + (3 + 12) * 32) * 2
 
 
 # --- the kernel ----------------------------------------------------------------------------------------------

@@ -2,8 +2,8 @@
 
 Layout (one layer; the engine keeps one `PagedMLACache` per layer and one block table per sequence,
 shared by all layers). `P` = page size in tokens (`block_size`), `NB` = pool blocks, `dc` = kv_lora_rank,
-`dr` = rope dims, `g` = a path's group size, `S` = max sequences (protected slots), `W` = sink + ring
-(`window`; ring = recent for channel formats, see below).
+`dr` = rope dims, `g` = a path's group size, `S` = max sequences (protected slots), `W` = sink + ring, per
+path (ring = recent for channel formats, recent + g - 1 for token-axis ones; see below).
 
 Body pools, one `PagedPath` per cache path (content: dim = dc, rope: dim = dr), byte layouts exactly those
 of `quantmla.quant.formats` (the pool holds `quantize()`'s output, row for row):
@@ -25,17 +25,16 @@ counted from sink (`quantmla.cache.policy`): block [s, s + g) keeps its scale an
 starts, at scale row ((s % P) // g) of block_table[s // P], i.e. at flat scale row pool_row(s) // g
 (`scale_rows`); exactly P/g blocks start in each page, and a block may end in the next page.
 
-Protected tokens (BF16, never quantized): `protected_content` bf16 [S, W, dc] and `protected_rope`
-bf16 [S, W, dr], indexed by the sequence's slot. Row p holds sink position p (p < sink); row
-`sink + (p - sink) % ring` holds a position p >= sink (a ring). What a path holds quantized follows
+Protected tokens (BF16, never quantized): `protected_content` bf16 [S, W_content, dc] and `protected_rope`
+bf16 [S, W_rope, dr], indexed by the sequence's slot. What a path holds quantized follows
 `quantmla.cache.policy`: for a sequence of length L, positions [sink, Q) are quantized with
 Q = quantized_end(L, sink, recent, block), block = g for a token-axis path and 1 otherwise: a channel path
 quantizes a token at the step it drops out of the last `recent` positions, a token-axis path a whole block
-at the step its last token does (until then its tokens stay in the ring: staged). So at most
-ring = recent + (largest block) - 1 positions past the sink are unquantized, and:
-  - the protected rows of a path hold its positions [0, min(L, sink)) and [Q, L) (attention does not care
-    about order); the rows of other positions are stale;
-  - the two paths share the ring (row of a position) but each has its own Q when their blocks differ.
+at the step its last token does (until then its tokens wait in the ring: staged). So at most
+ring = recent + block - 1 positions past the sink are unquantized (`rings`, per path), and a path's protected
+rows hold its positions [0, min(L, sink)) and [Q, L): row p for sink position p (p < sink), row
+sink + (p - sink) % ring for p >= sink (a ring); the ring's other rows are stale. Content and rope decide
+separately: with different blocks their Q differ.
 When both paths are bf16 there is nothing to protect: W = 0 and every token goes straight to the pool.
 
 Use: `cache = PagedMLACache.allocate(CacheConfig(...), dc, dr, num_blocks, max_seqs, block_size=64,
@@ -233,11 +232,11 @@ class PagedMLACache:
     block_size: int
     content: PagedPath
     rope: PagedPath
-    protected_content: torch.Tensor  # bf16 [max_seqs, W, dc]
-    protected_rope: torch.Tensor  # bf16 [max_seqs, W, dr]
+    protected_content: torch.Tensor  # bf16 [max_seqs, sink + rings[0], dc]
+    protected_rope: torch.Tensor  # bf16 [max_seqs, sink + rings[1], dr]
     sink: int  # effective: 0 when both paths are bf16
     recent: int
-    ring: int  # ring rows: recent + largest block - 1 (0 when both paths are bf16)
+    rings: tuple[int, int]  # ring rows of content and rope: recent + block - 1 (0 when both paths are bf16)
 
     @classmethod
     def allocate(
@@ -271,10 +270,9 @@ class PagedMLACache:
             raise ValueError(f"the paged cache has no online rotation; {config.rope_rotation!r} would be ignored")
         all_bf16 = config.content.kind == "bf16" and config.rope.kind == "bf16"
         sink, recent = (0, 0) if all_bf16 else (config.sink, config.recent)
-        ring = ring_size(recent, [block_of(config.content), block_of(config.rope)])
-        w = sink + ring
-        prot_c = torch.full((max_seqs, w, kv_lora_rank), fill, dtype=dtype, device=device)
-        prot_r = torch.full((max_seqs, w, rope_dim), fill, dtype=dtype, device=device)
+        rings = (0, 0) if all_bf16 else tuple(ring_size(recent, block_of(f)) for f in (config.content, config.rope))
+        prot_c = torch.full((max_seqs, sink + rings[0], kv_lora_rank), fill, dtype=dtype, device=device)
+        prot_r = torch.full((max_seqs, sink + rings[1], rope_dim), fill, dtype=dtype, device=device)
         return cls(
             config,
             kv_lora_rank,
@@ -286,13 +284,14 @@ class PagedMLACache:
             prot_r,
             sink,
             recent,
-            ring,
+            rings,
         )
 
     @property
     def window(self) -> int:
-        """Protected rows per sequence (sink + ring)."""
-        return self.sink + self.ring
+        """Protected rows per sequence of the path with the longer ring (sink + ring; channel formats: sink
+        + recent for both)."""
+        return self.sink + max(self.rings)
 
     @property
     def num_blocks(self) -> int:
@@ -315,17 +314,16 @@ class PagedMLACache:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def paths(self):
-        """(path, protected rows) of content and rope, in that order."""
-        return ((self.content, self.protected_content), (self.rope, self.protected_rope))
+        """(path, protected rows, ring) of content and rope, in that order."""
+        return ((self.content, self.protected_content, self.rings[0]), (self.rope, self.protected_rope, self.rings[1]))
 
     def quantized_end(self, path: PagedPath, length):
         """Positions [sink, Q) of `path` are in the pool once `length` (int or tensor) tokens are cached."""
         return quantized_end(length, self.sink, self.recent, path.block)
 
-    def protected_row(self, pos: torch.Tensor) -> torch.Tensor:
-        """Protected row of positions that are in the window (sink rows, then the ring)."""
-        ring = self.sink + (pos - self.sink).remainder(max(self.ring, 1))
-        return torch.where(pos < self.sink, pos, ring)
+    def protected_row(self, pos: torch.Tensor, ring: int) -> torch.Tensor:
+        """Protected row of positions that are in a path's window (sink rows, then its ring of `ring` rows)."""
+        return torch.where(pos < self.sink, pos, self.sink + (pos - self.sink).remainder(max(ring, 1)))
 
     def pool_rows(self, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Flat pool rows (block * P + offset) of positions `pos` under `block_table` ([..., max_blocks])."""
@@ -347,9 +345,9 @@ class PagedMLACache:
         one per path (content, rope; the same object when their blocks agree). Depends only on positions,
         the block table, page size, the window and the blocks: an engine builds it once per chunk and hands it
         to every layer's cache laid out alike."""
-        build = {b: ChunkRows.build(block_table, start, n, self.block_size, self.sink, self.recent, b, self.ring)
-                 for b in dict.fromkeys((self.content.block, self.rope.block))}
-        return build[self.content.block], build[self.rope.block]
+        build = {k: ChunkRows.build(block_table, start, n, self.block_size, self.sink, self.recent, *k)
+                 for k in dict.fromkeys((p.block, ring) for p, _, ring in self.paths())}
+        return tuple(build[p.block, ring] for p, _, ring in self.paths())
 
     def append(self, slot: int, block_table: torch.Tensor, seq_len: int, c: torch.Tensor, k_pe: torch.Tensor,
                checked: bool = True):
@@ -373,7 +371,7 @@ class PagedMLACache:
         Every range is a host integer in `rows`: nothing here reads device data unless checked.
         """
         views = [self._write_path(path, prot[slot], r, x, checked, view_dtype)
-                 for (path, prot), r, x in zip(self.paths(), rows, (c, k_pe))]
+                 for (path, prot, _), r, x in zip(self.paths(), rows, (c, k_pe))]
         if view_dtype is None:
             return None
         (vc, bc), (vr, br) = views
@@ -438,36 +436,33 @@ class PagedMLACache:
         no host sync, so the step can be captured in a CUDA graph (the caller vouches for finite inputs).
         """
         L, slots = seq_lens.long(), slots.long()
-        for (path, prot), x in zip(self.paths(), (c, k_pe)):
+        for (path, prot, ring), x in zip(self.paths(), (c, k_pe)):
             if path.block > 1:
-                self._decode_block(path, prot, slots, block_tables, L, x, checked)
-                continue
-            if self.recent:
+                self._decode_block(path, prot, ring, slots, block_tables, L, x, checked)
+            elif self.recent:
                 ev = L - self.recent
                 evict = (ev >= self.sink)[:, None]
-                ring = self.protected_row(ev.clamp_min(self.sink))  # the new token's row too, when evicting
-                src = torch.where(evict, prot[slots, ring].to(x.dtype), x)
-                qpos = ev.clamp_min(0)
-            else:  # no window: the new token is quantized at once (into an unread row while it is a sink token)
-                src, qpos = x, L
-            path.write(self.pool_rows(block_tables, qpos[:, None])[:, 0], src, checked)
-        if self.window:
-            # The new token is protected unless there is no ring and it is past the sink; then its row is
-            # rewritten with what it holds.
-            keep = ((L < self.sink) | (self.ring > 0))[:, None]
-            row = self.protected_row(L).clamp_max(self.window - 1)
-            for prot, x in ((self.protected_content, c), (self.protected_rope, k_pe)):
+                row = self.protected_row(ev.clamp_min(self.sink), ring)  # the new token's row too, when evicting
+                src = torch.where(evict, prot[slots, row].to(x.dtype), x)
+                path.write(self.pool_rows(block_tables, ev.clamp_min(0)[:, None])[:, 0], src, checked)
+            else:  # no ring: the new token is quantized at once (into an unread row while it is a sink token)
+                path.write(self.pool_rows(block_tables, L[:, None])[:, 0], x, checked)
+            if prot.shape[1]:
+                # The new token is protected unless there is no ring and it is past the sink; then its row is
+                # rewritten with what it holds.
+                keep = ((L < self.sink) | (ring > 0))[:, None]
+                row = self.protected_row(L, ring).clamp_max(prot.shape[1] - 1)
                 prot[slots, row] = torch.where(keep, x.to(prot.dtype), prot[slots, row])
 
-    def _decode_block(self, path, prot, slots, block_tables, L, x, checked):
+    def _decode_block(self, path, prot, ring, slots, block_tables, L, x, checked):
         """append_decode's quantization for a token-axis path (block g > 1), fixed shapes."""
         g = path.block
         q = self.quantized_end(path, L + 1)
         done = q > self.quantized_end(path, L)  # [B]: the step completes block [q - g, q)
         pos = (q - g)[:, None] + torch.arange(g, device=L.device)  # [B, g]
         pos = torch.minimum(pos.clamp_min(0), L[:, None])  # in the table; only read where done
-        ring = prot[slots[:, None], self.protected_row(pos)].to(x.dtype)
-        src = torch.where((pos == L[:, None])[..., None], x[:, None], ring)  # recent = 0: the new token
+        held = prot[slots[:, None], self.protected_row(pos, ring)].to(x.dtype)
+        src = torch.where((pos == L[:, None])[..., None], x[:, None], held)  # recent = 0: the new token
         src = torch.where(done[:, None, None], src, 0)  # no NaN checks on rows it does not store
         path.write(self.pool_rows(block_tables, pos).flatten(), src.flatten(0, 1), checked,
                    self.scale_rows(path, block_tables, pos[:, :1].clamp_min(self.sink))[:, 0],
@@ -483,7 +478,7 @@ class PagedMLACache:
         the ranges are computed on the host from seq_len, so nothing reads device data (no syncs)."""
         dev = self.protected_content.device
         out = []
-        for path, prot in self.paths():
+        for path, prot, ring in self.paths():
             lo, hi = min(self.sink, seq_len), self.quantized_end(path, seq_len)
             parts = []
             for a, b, pooled in ((0, lo, False), (self.sink, hi, True), (max(hi, lo), seq_len, False)):
@@ -494,7 +489,7 @@ class PagedMLACache:
                     rows, srows = self.pool_rows(block_table, pos), self.scale_rows(path, block_table, pos)
                     parts.append(path.read(rows, dtype, srows))
                 else:
-                    parts.append(prot[slot, self.protected_row(pos)].to(dtype))
+                    parts.append(prot[slot, self.protected_row(pos, ring)].to(dtype))
             out.append(torch.cat(parts) if parts else torch.empty(0, path.dim, dtype=dtype, device=dev))
         return out[0], out[1]
 

@@ -6,7 +6,7 @@ Positions [0, sink) are never quantized. From `sink` on, a path quantizes its to
 formats), and a block is quantized once all of it has left the last `recent` positions. So once L tokens are
 cached, positions [sink, quantized_end(L)) are quantized; a query at position t (which sees the cache of
 length t + 1) sees key p stored iff p < quantized_end(t + 1), i.e. iff t >= stored_from(p). Past the sink at
-most `ring_size` positions are unquantized at any length: recent + block - 1.
+most `ring_size` positions of a path are unquantized at any length: recent + block - 1.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ def quantized_end(length, sink: int, recent: int, block: int):
     return block_start(max(length - recent, sink), sink, block)
 
 
-def ring_size(recent: int, blocks) -> int:
-    """Unquantized positions past the sink a cache must hold at most, for paths of `blocks` (block sizes)."""
-    return recent + max(blocks) - 1
+def ring_size(recent: int, block: int) -> int:
+    """Unquantized positions past the sink a path of `block` tokens per block holds at most."""
+    return recent + block - 1
 
 
 def stored_from(fmt: QuantFormat, sink: int, recent: int, length: int, device=None) -> torch.Tensor:

@@ -48,7 +48,7 @@ class QueryBlock:
 
 def plan_key(cache: PagedMLACache) -> tuple:
     """What a chunk's plan depends on besides positions: the window and, per path, block and bf16-ness."""
-    return cache.sink, cache.recent, cache.ring, *((p.block, p.fmt.kind == "bf16") for p in (cache.content, cache.rope))
+    return cache.sink, cache.recent, *((p.block, ring, p.fmt.kind == "bf16") for p, _, ring in cache.paths())
 
 
 @dataclass

@@ -24,10 +24,10 @@ Kernel design (flash-decoding):
     partial output and log-sum-exp, `_combine_kernel` merges them (skipped when num_splits == 1);
   - which positions each path holds quantized is `quantmla.cache.policy`'s rule (positions [sink, q) with
     q = quantized_end(L), per path: a token-axis path quantizes whole blocks of g tokens, so its q trails a
-    channel path's by up to g - 1). Body tiles cover [sink, min(q_c, q_r)); the protected tiles read the
-    sink rows and the ring (sink + recent + g - 1 rows: `PagedMLACache.window`), each ring row attended
-    where its position (the newest one written there) is past min(q_c, q_r), each path read from the ring
-    where the position is past its own q and, when the two paths' blocks differ, from its pool where not;
+    channel path's by up to g - 1). Body tiles cover [sink, min(q_c, q_r)); the protected tiles cover the
+    sink positions and [min(q_c, q_r), L) in position order, each path read from its ring (recent + g - 1
+    rows for a token-axis path, `PagedMLACache.rings`) where the position is past its own q and, when the
+    two paths' blocks differ, from its pool where not;
   - token-axis scales: a body tile's rows [BLOCK_N] each read their block's scale row (the block's first
     position's pool row // g, in the page where the block starts: `PagedMLACache.scale_rows`), [BLOCK_N]
     x [dim] broadcast over the codes; a tile of BLOCK_N > g tokens spans several blocks;
@@ -373,12 +373,9 @@ if triton is not None:
             s = _mm(qn, tl.trans(c), tl.zeros([qn.shape[0], c.shape[0]], tl.float32), F32)
             s = _mm(qp, tl.trans(r), s, F32)
             s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        # -inf only while no valid token was seen (a protected tile may hold only stale ring rows): then
-        # exponents against 0 give alpha = p = 0 instead of NaN.
-        m_exp = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_exp)
-        p = tl.exp2(s - m_exp[:, None])
+        m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: every tile holds at least one valid token
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         if V_T:
             acc = _mm(tl.trans(c), tl.trans(p.to(tl.bfloat16)), acc * alpha[None, :], F32)
@@ -396,8 +393,8 @@ if triton is not None:
         rc_ptr,  # rope pool codes / scale / zero
         rs_ptr,
         rz_ptr,
-        pc_ptr,  # protected content bf16 [slots, WINDOW, DC]
-        pr_ptr,  # protected rope bf16 [slots, WINDOW, DR]
+        pc_ptr,  # protected content bf16 [slots, SINK + C_RING, DC]
+        pr_ptr,  # protected rope bf16 [slots, SINK + R_RING, DR]
         bt_ptr,  # block tables int32 [B, bt_stride]
         bt_stride,
         lens_ptr,  # int32 [B]
@@ -426,7 +423,8 @@ if triton is not None:
         PAGE: tl.constexpr,
         SINK: tl.constexpr,
         RECENT: tl.constexpr,
-        RING: tl.constexpr,
+        C_RING: tl.constexpr,  # ring rows of each path's protected rows (recent + block - 1)
+        R_RING: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
         S_T: tl.constexpr,
@@ -440,7 +438,6 @@ if triton is not None:
         b = tl.program_id(2)
 
         L = tl.load(lens_ptr + b)
-        WINDOW: tl.constexpr = SINK + RING
         MIXED: tl.constexpr = C_BLK != R_BLK
         # Positions [SINK, q_c) / [SINK, q_r) of content / rope are quantized (quantmla.cache.policy's
         # quantized_end); the body tiles cover [SINK, q_hi), quantized in both paths.
@@ -452,7 +449,9 @@ if triton is not None:
         # so a tile is BLOCK_N consecutive rows of one pool block; the first and last are partly masked.
         t_lo = SINK // BLOCK_N
         nt_q = tl.where(n_q > 0, tl.cdiv(q_hi, BLOCK_N) - t_lo, 0)
-        nt = nt_q + tl.cdiv(tl.minimum(L, WINDOW), BLOCK_N)
+        n_s = tl.minimum(L, SINK)
+        n_p = n_s + tl.maximum(L - q_hi, 0)  # protected work: the sink positions, then [q_hi, L)
+        nt = nt_q + tl.cdiv(n_p, BLOCK_N)
         per_split = tl.cdiv(nt, num_splits)
         t_start = split * per_split
         t_end = tl.minimum(t_start + per_split, nt)
@@ -489,23 +488,22 @@ if triton is not None:
             r = _load_tile(rc_ptr, rs_ptr, rz_ptr, rows, rs, valid, DR, R_KIND, R_BITS, R_GROUP, R_BLK > 1, R_SCALED, BLOCK_N, USE_ASM, R_ROW, R_SZ_ROW)
             m_i, l_i, acc = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T, V_T, F32_DOT)
 
-        # Protected BF16 rows (sink rows, then the ring): the prefix [0, min(L, WINDOW)) of the sequence's slot.
-        # Ring row k holds the newest position p = L - 1 - d written there (d = (L - 1 - SINK - k) mod RING);
-        # a path reads it where p >= its q (still unquantized), and the tile attends to every p >= q_hi. Where
-        # the blocks differ (MIXED), p in [q_hi, q) of the path that quantized further comes from its pool.
-        if WINDOW > 0:
-            row_base = tl.load(slots_ptr + b).to(tl.int64) * WINDOW
+        # Protected BF16 rows, in position order: the sink positions, then [q_hi, L) from each path's ring
+        # (row SINK + (p - SINK) % ring). A path reads a position from its ring where it is unquantized in
+        # that path (p >= its q); where the paths' blocks differ (MIXED), positions in [q_hi, q) of the path
+        # that quantized further come from its pool.
+        if SINK + C_RING + R_RING > 0:
+            slot = tl.load(slots_ptr + b).to(tl.int64)
             for t in range(tl.maximum(t_start, nt_q) - nt_q, t_end - nt_q):
-                offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
-                d = tl.maximum(L - 1 - offs + RING, 0) % (RING + (RING == 0))
-                p = tl.where(offs < SINK, offs, L - 1 - d)
-                ok = offs < tl.minimum(L, WINDOW)  # (q_c, q_r >= SINK: a row the ring never got is stale)
-                bf_c = ok & ((offs < SINK) | (p >= q_c))
-                bf_r = ok & ((offs < SINK) | (p >= q_r))
-                valid = bf_c | bf_r
-                rows = row_base + offs
-                c = _load_tile(pc_ptr, pc_ptr, pc_ptr, rows, rows, bf_c, DC, 0, 16, DC, False, False, BLOCK_N, USE_ASM, DC, DC)
-                r = _load_tile(pr_ptr, pr_ptr, pr_ptr, rows, rows, bf_r, DR, 0, 16, DR, False, False, BLOCK_N, USE_ASM, DR, DR)
+                i = t * BLOCK_N + tl.arange(0, BLOCK_N)
+                valid = i < n_p
+                p = tl.where(i < n_s, i, q_hi + i - n_s)
+                bf_c = valid & ((p < SINK) | (p >= q_c))
+                bf_r = valid & ((p < SINK) | (p >= q_r))
+                rows_c = slot * (SINK + C_RING) + tl.where(p < SINK, p, SINK + (p - SINK) % (C_RING + (C_RING == 0)))
+                rows_r = slot * (SINK + R_RING) + tl.where(p < SINK, p, SINK + (p - SINK) % (R_RING + (R_RING == 0)))
+                c = _load_tile(pc_ptr, pc_ptr, pc_ptr, rows_c, rows_c, bf_c, DC, 0, 16, DC, False, False, BLOCK_N, USE_ASM, DC, DC)
+                r = _load_tile(pr_ptr, pr_ptr, pr_ptr, rows_r, rows_r, bf_r, DR, 0, 16, DR, False, False, BLOCK_N, USE_ASM, DR, DR)
                 if MIXED:
                     pooled_c = valid & ~bf_c
                     pooled_r = valid & ~bf_r
@@ -668,7 +666,7 @@ def mla_decode(
         block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
         H, num_splits, sm_scale * LOG2E,
         dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
-        cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, cache.ring,
+        cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
         cfg.block_h, block_n, cfg.scores_t, cfg.values_t, use_asm, _interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
