@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton", reason="the decode kernel needs triton")
 import triton.language as tl  # noqa: E402
 
 from quantmla.cache.paged import PagedMLACache, make_block_tables  # noqa: E402
-from quantmla.cache.policy import block_of, quantized_end  # noqa: E402
+from quantmla.policy import block_of, quantized_end  # noqa: E402
 from quantmla.config import CacheConfig  # noqa: E402
 from quantmla.kernels.mla_decode import (KernelConfig, _split_codes, default_config, mla_decode,  # noqa: E402
                                          mla_decode_reference)
@@ -92,7 +92,7 @@ def test_reference_matches_naive_softmax_attention():
 
 
 def quantized_positions(cache, path, L):
-    """[L] bool: the positions `path` holds in the pool (the rule of quantmla.cache.policy)."""
+    """[L] bool: the positions `path` holds in the pool (the rule of quantmla.policy)."""
     pos = torch.arange(L, device=DEV)
     return (pos >= cache.sink) & (pos < quantized_end(L, cache.sink, cache.recent, block_of(path.fmt)))
 

@@ -1,10 +1,10 @@
-"""The quantization rule (quantmla.cache.policy): its two views agree, and QuantMLACache stages by it."""
+"""The quantization rule (quantmla.policy): its two views agree, and QuantMLACache stages by it."""
 
 import pytest
 import torch
 
 from quantmla.cache import QuantMLACache
-from quantmla.cache.policy import NEVER, block_of, quantized_end, ring_size, stored_from
+from quantmla.policy import NEVER, block_of, quantized_end, ring_size, stored_from
 from quantmla.config import CacheConfig, QuantFormat
 
 

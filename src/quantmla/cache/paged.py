@@ -21,13 +21,13 @@ of `quantmla.quant.formats` (the pool holds `quantize()`'s output, row for row):
 Token at position p of a sequence lives in pool row `(block_table[p // P], p % P)`. Only positions that have
 been quantized are ever written there; the rows of protected positions stay unused (the first block of a
 sequence therefore wastes `sink` rows, a few hundred bytes). A token-axis path quantizes blocks of g tokens
-counted from sink (`quantmla.cache.policy`): block [s, s + g) keeps its scale and zero in the page where it
+counted from sink (`quantmla.policy`): block [s, s + g) keeps its scale and zero in the page where it
 starts, at scale row ((s % P) // g) of block_table[s // P], i.e. at flat scale row pool_row(s) // g
 (`scale_rows`); exactly P/g blocks start in each page, and a block may end in the next page.
 
 Protected tokens (BF16, never quantized): `protected_content` bf16 [S, W_content, dc] and `protected_rope`
 bf16 [S, W_rope, dr], indexed by the sequence's slot. What a path holds quantized follows
-`quantmla.cache.policy`: for a sequence of length L, positions [sink, Q) are quantized with
+`quantmla.policy`: for a sequence of length L, positions [sink, Q) are quantized with
 Q = quantized_end(L, sink, recent, block), block = g for a token-axis path and 1 otherwise: a channel path
 quantizes a token at the step it drops out of the last `recent` positions, a token-axis path a whole block
 at the step its last token does (until then its tokens wait in the ring: staged). So at most
@@ -51,7 +51,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from quantmla.cache.policy import block_of, block_start, quantized_end, ring_size
+from quantmla.policy import block_of, block_start, quantized_end, ring_size
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.quant.formats import Packed, dequantize, quantize
 

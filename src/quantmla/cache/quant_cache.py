@@ -13,7 +13,7 @@ Per layer and path, the token axis is split into three parts, in order:
 A token is quantized as soon as it leaves the recent window, also within one long prefill call. Token-axis
 (KIVI-style) formats quantize blocks of `group` tokens: tokens that left the window wait, as given, in a
 `staging` part between body and recent until a whole block is there (they count in memory_bytes); the rule,
-shared with the paged cache, is `quantmla.cache.policy.quantized_end`. With
+shared with the paged cache, is `quantmla.policy.quantized_end`. With
 `CacheConfig.rope_rotation` the RoPE body holds H k_pe (H a randomized Hadamard, applied before quantizing
 and undone after dequantizing: QuaRot's online rotation; sink, staging and recent are not rotated). The body is
 a `Packed` whose fields grow along dim -2 by concatenation (no per-token Python lists):
@@ -46,7 +46,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from quantmla.cache.policy import block_of, quantized_end
+from quantmla.policy import block_of, quantized_end
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.quant.formats import Packed, check_finite, dequantize, quantize
 

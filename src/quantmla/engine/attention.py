@@ -9,7 +9,7 @@ every other module stay its own). What it does depends on the step the runner an
     hidden]: `quantmla.decode_step.decode_step` (the Triton kernel on CUDA, the torch oracle elsewhere).
 
 Both see the cache exactly as it is served: a query at position t sees key u with each path quantized iff
-t >= stored_from(u) (`quantmla.cache.policy`): channel formats quantize the keys of [sink, t + 1 - recent),
+t >= stored_from(u) (`quantmla.policy`): channel formats quantize the keys of [sink, t + 1 - recent),
 token-axis formats whole blocks of g tokens (from sink) that have left the window; the other keys it sees in
 BF16. So a prompt gives the same cache and the same logits whether it is prefilled at once, in chunks, or
 token by token, and a sequence recomputed after a preemption continues exactly as it would have without it.
@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantmla.cache.paged import ChunkRows, PagedMLACache
-from quantmla.cache.policy import NEVER, key_versions, stored_from
+from quantmla.policy import NEVER, key_versions, stored_from
 from quantmla.decode_step import decode_step
 from quantmla.mla import project_cache, project_queries
 from quantmla.models.adapters import MLALayer
@@ -65,7 +65,7 @@ class ChunkPlan:
               query_block: int | None = None) -> ChunkPlan:
         """block_table [max_blocks] int32 covers start + n tokens; `cache` any layer's with this layout.
 
-        Query t sees key u <= t with each path stored iff t >= stored_from(u) (`quantmla.cache.policy`, the
+        Query t sees key u <= t with each path stored iff t >= stored_from(u) (`quantmla.policy`, the
         rule of the serving eval). The served cache after the chunk holds every key in the version the
         chunk's last query sees; it serves query t iff t is past the first query that sees that version. Every
         other version some query of the chunk sees (`key_versions`) is a band entry, seen by its queries

@@ -4,7 +4,7 @@ Serving semantics (those of the engine's prefill and decode, `quantmla.engine.at
 t sees key p <= t in BF16 (as computed, in the model's dtype) if p < sink or p >= t + 1 - recent, otherwise
 as stored: quantized with the path's format, then dequantized. A token-axis (KIVI-style) format quantizes a
 token only once its whole block of `group` tokens (blocks counted from `sink`) has left the window, so query
-t sees p stored iff p >= sink and block_end(p) <= t + 1 - recent (the rule of `quantmla.cache.policy`,
+t sees p stored iff p >= sink and block_end(p) <= t + 1 - recent (the rule of `quantmla.policy`,
 `stored_from`). Content and RoPE paths decide separately (their formats may differ), per layer
 (`CacheConfig.at`). A token's stored value does not depend on the query:
 it is what `PathStore` holds for it (formats, clipping, `rope_rotation` as the cache does them); the query
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantmla.cache.policy import key_versions, stored_from
+from quantmla.policy import key_versions, stored_from
 from quantmla.cache.quant_cache import PathStore, online_rotation
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.mla import project_cache, project_queries

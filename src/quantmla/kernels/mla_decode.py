@@ -22,7 +22,7 @@ Kernel design (flash-decoding):
     entry per tile, consecutive pool rows, so addresses are a scalar base plus fixed offsets), then the
     protected rows; the tiles are cut into `num_splits` equal runs. Each program writes its normalized
     partial output and log-sum-exp, `_combine_kernel` merges them (skipped when num_splits == 1);
-  - which positions each path holds quantized is `quantmla.cache.policy`'s rule (positions [sink, q) with
+  - which positions each path holds quantized is `quantmla.policy`'s rule (positions [sink, q) with
     q = quantized_end(L), per path: a token-axis path quantizes whole blocks of g tokens, so its q trails a
     channel path's by up to g - 1). Body tiles cover [sink, min(q_c, q_r)); the protected tiles cover the
     sink positions and [min(q_c, q_r), L) in position order, each path read from its ring (recent + g - 1
@@ -439,7 +439,7 @@ if triton is not None:
 
         L = tl.load(lens_ptr + b)
         MIXED: tl.constexpr = C_BLK != R_BLK
-        # Positions [SINK, q_c) / [SINK, q_r) of content / rope are quantized (quantmla.cache.policy's
+        # Positions [SINK, q_c) / [SINK, q_r) of content / rope are quantized (quantmla.policy's
         # quantized_end); the body tiles cover [SINK, q_hi), quantized in both paths.
         q_c = SINK + tl.maximum(L - RECENT - SINK, 0) // C_BLK * C_BLK
         q_r = SINK + tl.maximum(L - RECENT - SINK, 0) // R_BLK * R_BLK
