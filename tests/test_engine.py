@@ -380,6 +380,34 @@ def test_per_layer_clipped_formats_are_served_as_calibrated(tmp_path):
     assert got != [hf_greedy(model, p, NEW, served_quant_cache(model, p, unclipped)) for p in ids]
 
 
+def test_calibrated_token_axis_formats_are_served(tmp_path):
+    """A section whose per-layer choice has token-axis paths (what the default calibration search may pick,
+    clipped or not) round-trips through config.json and is served as calibrated: greedy tokens equal
+    `generate` with a token-by-token QuantMLACache of the same per-layer formats."""
+    import json
+
+    from quantmla.calibrate.export import cache_config_of
+    from quantmla.models import load_model
+
+    path = tmp_path / "ckpt"
+    model = sharp_model("deepseek_v3")
+    model.save_pretrained(path)
+    n = len(describe(model))
+    chosen = CacheConfig("int4", "int4", SINK, RECENT, layers=[[("int2:t8c0.9", "int4:16"), ("int4:16", "int4:t16c0.8"),
+                                                                ("int4:t4", "int2:t8")][i % 3] for i in range(n)])
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantmla"] = {"method": "quantmla", **chosen.to_dict()}
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert cache_config_of(path) == chosen
+    llm = LLM(path, max_num_seqs=4, block_size=PAGE, prefill_chunk=16, kv_cache_bytes=1 << 22)
+    assert [(c.content.fmt, c.rope.fmt) for c in llm.runner.caches] == list(chosen.layers)
+    model = load_model(path)
+    ids = prompts(model.config.vocab_size, (40, 70))
+    got = [o.token_ids for o in llm.generate(ids, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+    assert got == [hf_greedy(model, p, NEW, served_quant_cache(model, p, chosen)) for p in ids]
+    assert llm.stats()["pages_used"] == 0
+
+
 def test_per_layer_windows_bf16_layer_beside_quantized_ones(tmp_path):
     """A layer whose formats are both bf16 keeps no BF16 window (sink = recent = 0) while the others do: the
     prefill plans each window separately, and greedy tokens equal `generate` with a token-by-token cache."""
