@@ -157,8 +157,9 @@ def test_chunked_prefill_gives_the_same_cache_and_logits(monkeypatch, fmts):
         seq, _ = llm.scheduler.schedule()
         logits = llm.runner.prefill(seq)
         table = llm.runner.slot_tables[seq[0].slot]
-        runs.append((logits, [[t.clone() for t in (*c.content.tensors(), *c.rope.tensors())] for c in llm.runner.caches],
-                     [protected(c, seq[0].slot, table, len(ids)) for c in llm.runner.caches]))
+        caches = llm.runner.caches
+        runs.append((logits, [[t.clone() for t in (*c.content.tensors(), *c.rope.tensors())] for c in caches],
+                     [protected(c, seq[0].slot, table, len(ids)) for c in caches]))
     (l1, pools1, prot1) = runs[0]
     for l2, pools2, prot2 in runs[1:]:
         torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
