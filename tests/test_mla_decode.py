@@ -17,10 +17,10 @@ triton = pytest.importorskip("triton", reason="the decode kernel needs triton")
 import triton.language as tl  # noqa: E402
 
 from quantmla.cache.paged import PagedMLACache, make_block_tables  # noqa: E402
-from quantmla.policy import block_of, quantized_end  # noqa: E402
 from quantmla.config import CacheConfig  # noqa: E402
 from quantmla.kernels.mla_decode import (KernelConfig, _split_codes, default_config, mla_decode,  # noqa: E402
                                          mla_decode_reference)
+from quantmla.policy import block_of, quantized_end  # noqa: E402
 from quantmla.quant.formats import dequantize, quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"

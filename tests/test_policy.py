@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from quantmla.cache import QuantMLACache
-from quantmla.policy import NEVER, block_of, quantized_end, ring_size, stored_from
 from quantmla.config import CacheConfig, QuantFormat
+from quantmla.policy import NEVER, block_of, quantized_end, ring_size, stored_from
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int4:t4", "int2:t8", "bf16"])

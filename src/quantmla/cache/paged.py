@@ -51,8 +51,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from quantmla.policy import block_of, block_start, quantized_end, ring_size
 from quantmla.config import CacheConfig, QuantFormat
+from quantmla.policy import block_of, block_start, quantized_end, ring_size
 from quantmla.quant.formats import Packed, dequantize, quantize
 
 PAGED_KINDS = ("bf16", "fp8", "int8", "int4", "int2")  # what the pools and the decode kernel read

@@ -46,8 +46,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from quantmla.policy import block_of, quantized_end
 from quantmla.config import CacheConfig, QuantFormat
+from quantmla.policy import block_of, quantized_end
 from quantmla.quant.formats import Packed, check_finite, dequantize, quantize
 
 

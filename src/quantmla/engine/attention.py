@@ -24,10 +24,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantmla.cache.paged import ChunkRows, PagedMLACache
-from quantmla.policy import NEVER, key_versions, stored_from
 from quantmla.decode_step import decode_step
 from quantmla.mla import project_cache, project_queries
 from quantmla.models.adapters import MLALayer
+from quantmla.policy import NEVER, key_versions, stored_from
 
 
 QUERY_BLOCK = 1024  # prefill queries attend in blocks of this many: each block reads only the keys it can see

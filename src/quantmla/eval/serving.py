@@ -29,11 +29,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantmla.policy import key_versions, stored_from
 from quantmla.cache.quant_cache import PathStore, online_rotation
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.mla import project_cache, project_queries
 from quantmla.models.adapters import MLALayer, attention_module, describe, register_module_attention
+from quantmla.policy import key_versions, stored_from
 
 ATTENTION_NAME = register_module_attention("quantmla_serving", "ServingAttention")
 QUERY_BLOCK = 1024  # queries per attention call
