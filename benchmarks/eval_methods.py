@@ -46,17 +46,17 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # The accuracy table of issues 4 and 10: every method at INT4/INT4, then INT2/INT4, then content-only INT4;
 # with --equal-bytes (on for this preset) a quantmla row at KIVI's measured bytes follows each kivi row.
-# quantmla-t also searches token-axis points (not servable): what serving them would add.
+# quantmla's search has KIVI's token-axis points (served by the engine) besides channel groups.
 ACCURACY = (
     "bf16,fp8,fp8-content,rtn@int4/int4,fp4,turboquant,kivi@int4/int4,quarot@int4/int4,smoothquant@int4/int4,"
-    "quantmla@int4/int4,quantmla-t@int4/int4,"
-    "rtn@int2/int4,kivi@int2/int4,quarot@int2/int4,smoothquant@int2/int4,quantmla@int2/int4,quantmla-t@int2/int4,"
+    "quantmla@int4/int4,"
+    "rtn@int2/int4,kivi@int2/int4,quarot@int2/int4,smoothquant@int2/int4,quantmla@int2/int4,"
     "rtn-content@int4/bf16,kivi@int4/bf16,quarot@int4/bf16,smoothquant@int4/bf16,quantmla@int4/bf16"
 )
 
 
 def parse_rows(text: str) -> list[tuple[str, MethodArgs]]:
-    """'method', 'method@CONTENT/ROPE' or 'method@budget=F' (quantmla, quantmla-t: formats chosen per path and
+    """'method', 'method@CONTENT/ROPE' or 'method@budget=F' (quantmla: formats chosen per path and
     layer to fit F of BF16's bytes at 128 K tokens), each optionally followed by '+rRECENT' (a BF16 window of
     RECENT tokens), comma-separated. A bad spec exits with its message before any model is loaded."""
     rows = []

@@ -3,7 +3,6 @@ rotation, and every method on tiny models (exact folds, byte counts at DeepSeek 
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 import torch
@@ -259,8 +258,6 @@ def _model(family, **overrides):
 def _run(name, model, args=MethodArgs()):
     if name == "quantmla":
         return quantmla(model, args, FAST_CALIBRATION)
-    if name == "quantmla-t":
-        return quantmla(model, args, dataclasses.replace(FAST_CALIBRATION, token_axis=True))
     return BASELINES[name](model, args)
 
 
@@ -409,7 +406,7 @@ def test_budget_needs_an_uncalibrated_model_and_a_budgeted_method():
     model.config.quantmla = {"method": "quantmla", **CacheConfig("int4:32", "int4:16", 4, 64).to_dict()}
     with pytest.raises(ValueError, match="already calibrated .* a byte budget needs the original checkpoint"):
         quantmla(model, MethodArgs(budget=0.3))
-    with pytest.raises(ValueError, match="method 'rtn' takes no byte budget; quantmla and quantmla-t do"):
+    with pytest.raises(ValueError, match="method 'rtn' takes no byte budget; only quantmla does"):
         apply_method("rtn", model, MethodArgs(budget=0.3))
 
 
@@ -426,5 +423,5 @@ def test_paged_cache_refuses_what_its_kernel_cannot_serve():
 
     with pytest.raises(ValueError, match="online rotation"):
         PagedMLACache.allocate(CacheConfig("int4", "int4", rope_rotation="hadamard"), 64, 64, num_blocks=2, max_seqs=1)
-    with pytest.raises(ValueError, match="grouped along channels"):
+    with pytest.raises(ValueError, match="stores bf16, fp8, int8, int4, int2, not fp4"):
         PagedMLACache.allocate(CacheConfig("fp4", "fp4"), 64, 64, num_blocks=2, max_seqs=1)

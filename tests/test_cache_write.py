@@ -196,3 +196,12 @@ def test_fused_writer_in_a_cuda_graph():
         ref.append_decode(slots, tables, lens_dev, c_in, r_in, checked=False)
         _assert_same(ref, fused, step)
         lens_dev += 1
+
+
+@pytest.mark.parametrize("fmts", [("int4", "int4:t8"), ("int2:t16", "int4")])
+def test_token_axis_caches_take_the_torch_writer(monkeypatch, fmts):
+    """The kernel writes channel-grouped tokens one at a time, not token-axis blocks: append_decode_fused
+    hands a cache with a token-axis path to the torch writer (byte for byte the same, as always), without a
+    launch."""
+    monkeypatch.setattr(cache_write, "_append_decode_kernel", None)  # a launch would fail
+    run_pair(fmts, steps=9)  # with sink 4, recent 8: blocks of 8 complete at lengths 20 and 28

@@ -88,8 +88,61 @@ def test_int2_greedy_equals_generate_with_quant_cache(family):
     assert engine_greedy(sharp_model(family), "bf16", "bf16", ids, NEW) != got
 
 
-@pytest.mark.parametrize("fmt", ["int4", "bf16"])
-def test_chunked_prefill_gives_the_same_cache_and_logits(monkeypatch, fmt):
+# Token-axis formats (blocks of 4 / 8 / 16 tokens from the sink at 2): prefill chunks of 16 split blocks.
+TOKEN_FMTS = [("int4", "int4:t8"), ("int2:t8", "int4:t8"), ("int2:t4", "int4:t16")]
+
+
+@pytest.mark.parametrize("fmts", TOKEN_FMTS, ids=lambda f: "-".join(f))
+@pytest.mark.parametrize("family", ["deepseek_v3", "minicpm3", "longcat_flash"])
+def test_token_axis_greedy_equals_generate_with_quant_cache(family, fmts):
+    """KIVI-style paths: a token is quantized only with its whole block, once the block has left the window.
+    The engine (chunked prefill, batched decode) gives the greedy tokens of `generate` with a QuantMLACache
+    of the same formats fed token by token, whose staging follows the same rule."""
+    ref = sharp_model(family)
+    layer = describe(ref)[0]
+    ids = prompts(ref.config.vocab_size)
+    cfg = CacheConfig(*fmts, SINK, RECENT).fit(layer.kv_lora_rank, layer.rope_dim)
+    want = [hf_greedy(ref, p, NEW, served_quant_cache(ref, p, cfg)) for p in ids]
+    got = engine_greedy(sharp_model(family), *fmts, ids, NEW)
+    assert got == want
+    if fmts[0] == "int2:t8":  # the quantized cache matters
+        assert engine_greedy(sharp_model(family), "bf16", "bf16", ids, NEW) != got
+
+
+@pytest.mark.parametrize("fmts", TOKEN_FMTS[1:], ids=lambda f: "-".join(f))
+def test_token_axis_prefill_logits_are_the_serving_evals(fmts):
+    """The engine's prefill, in chunks that split blocks, gives the last position's logits of
+    `quantmla.eval.serving` (every query of a window attends as served) for the same formats."""
+    from quantmla.eval.serving import serving_logits
+
+    model = sharp_model("deepseek_v3")
+    layer = describe(model)[0]
+    ids = prompts(model.config.vocab_size, (45, 61))
+    cfg = CacheConfig(*fmts, SINK, RECENT).fit(layer.kv_lora_rank, layer.rope_dim)
+    want = torch.cat([serving_logits(model, torch.tensor([p]), cfg, 1)[:, -1] for p in ids])
+    for chunk in (7, 16, 2048):
+        llm = LLM(model, content=fmts[0], rope=fmts[1], sink=SINK, recent=RECENT, block_size=PAGE, max_num_seqs=2,
+                  prefill_chunk=chunk)  # fmt: skip
+        for p in ids:
+            llm.add_request(p, SamplingParams(max_tokens=1))
+        seqs, _ = llm.scheduler.schedule()
+        torch.testing.assert_close(llm.runner.prefill(seqs), want, rtol=1e-5, atol=1e-5)
+        llm.close()
+    bf16 = torch.cat([serving_logits(model, torch.tensor([p]), CacheConfig.bf16(), 1)[:, -1] for p in ids])
+    assert (want - bf16).abs().max() > 1e-3  # and the formats matter
+
+
+def protected(cache, slot, table, length):
+    """Per path, the BF16 values the cache holds for a sequence (its protected positions; stale ring rows,
+    whose positions are quantized, aside)."""
+    pos = torch.arange(length)
+    return [x[(pos < cache.sink) | (pos >= cache.quantized_end(path, length))]
+            for (path, _, _), x in zip(cache.paths(), cache.gather(slot, table, length))]
+
+
+@pytest.mark.parametrize("fmts", [("int4", "int4"), ("bf16", "bf16"), ("int4:t8", "int4:t8"), ("int4", "int2:t4")],
+                         ids=lambda f: "-".join(f))
+def test_chunked_prefill_gives_the_same_cache_and_logits(monkeypatch, fmts):
     """Prefill in chunks of 7 and at once, with attention in blocks of 5 or 3 queries or in one block: the
     same pool bytes and the same next-token logits."""
     import quantmla.engine.attention as attention
@@ -98,21 +151,24 @@ def test_chunked_prefill_gives_the_same_cache_and_logits(monkeypatch, fmt):
     runs = []
     for chunk, query_block in ((2048, 1024), (7, 5), (2048, 3)):
         monkeypatch.setattr(attention, "QUERY_BLOCK", query_block)
-        llm = LLM(tiny_model("deepseek_v3"), content=fmt, rope=fmt, sink=SINK, recent=RECENT,
+        llm = LLM(tiny_model("deepseek_v3"), content=fmts[0], rope=fmts[1], sink=SINK, recent=RECENT,
                   block_size=PAGE, max_num_seqs=2, prefill_chunk=chunk)  # fmt: skip
         llm.add_request(ids, SamplingParams(max_tokens=2))
         seq, _ = llm.scheduler.schedule()
         logits = llm.runner.prefill(seq)
-        runs.append((logits, [c.content.codes.clone() for c in llm.runner.caches],
-                     [c.protected_content.clone() for c in llm.runner.caches]))
-    (l1, codes1, prot1) = runs[0]
-    for l2, codes2, prot2 in runs[1:]:
+        table = llm.runner.slot_tables[seq[0].slot]
+        caches = llm.runner.caches
+        runs.append((logits, [[t.clone() for t in (*c.content.tensors(), *c.rope.tensors())] for c in caches],
+                     [protected(c, seq[0].slot, table, len(ids)) for c in caches]))
+    (l1, pools1, prot1) = runs[0]
+    for l2, pools2, prot2 in runs[1:]:
         torch.testing.assert_close(l1, l2, rtol=1e-5, atol=1e-5)
-        if fmt == "bf16":  # the pool holds fp32 values here, which differ by the attention's summation order
-            for a, b in zip(codes1, codes2):
-                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
-        else:  # codes: a last-bit difference in an activation would have to flip one to show
-            assert all(torch.equal(a, b) for a, b in zip(codes1, codes2))
+        for a, b in zip(sum(pools1, []), sum(pools2, [])):
+            if a.is_floating_point():  # bf16 pools hold fp32 values here, and fp16 scales: up to summation
+                rtol = 1e-3 if a.dtype == torch.float16 else 1e-5  # order (which may flip an fp16 rounding)
+                torch.testing.assert_close(a, b, rtol=rtol, atol=1e-5, equal_nan=True)
+            else:  # codes: a last-bit difference in an activation would have to flip one to show
+                assert torch.equal(a, b)
         torch.testing.assert_close(prot1, prot2)
 
 
@@ -131,7 +187,7 @@ def default_prompts():
     return [ids[s : s + n].tolist() for s, n in zip(starts, (12, 20, 8, 30, 16, 24))]
 
 
-@pytest.mark.parametrize("fmts", [("bf16", "bf16"), ("int4", "int4")])
+@pytest.mark.parametrize("fmts", [("bf16", "bf16"), ("int4", "int4"), ("int4", "int4:t16")])
 def test_preemption_gives_the_same_greedy_outputs(default_prompts, fmts):
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     kw = dict(content=fmts[0], rope=fmts[1], sink=4, recent=16, block_size=PAGE, max_num_seqs=6)
@@ -159,6 +215,15 @@ def LLM_layout_bytes(llm: LLM, pages: int) -> int:
     layout = PoolLayout.of(llm.cache_config, llm.runner.layers, llm.blocks.block_size,
                            llm.runner.caches[0].protected_content.dtype)  # fmt: skip
     return layout.bytes_for(pages, llm.scheduler.max_num_seqs)
+
+
+@pytest.mark.parametrize("fmts", [("int4", "int4"), ("int4", "int4:t64"), ("int2:t32", "int4:t64")])
+def test_pool_bytes_are_the_allocated_tensors(fmts):
+    """The budget's accounting (PoolLayout) is what the caches allocate, token-axis scales and the longer
+    ring included."""
+    llm = LLM(content=fmts[0], rope=fmts[1], kv_cache_bytes=8 << 20, max_num_seqs=3, dtype=torch.bfloat16)
+    assert llm.kv_cache_bytes == sum(c.memory_bytes() for c in llm.runner.caches) <= 8 << 20
+    assert llm.runner.caches[0].rings == tuple(128 + (63 if "t64" in f else 31 if "t32" in f else 0) for f in fmts)
 
 
 def test_int4_pool_holds_more_tokens_in_the_same_bytes():
@@ -314,6 +379,34 @@ def test_per_layer_clipped_formats_are_served_as_calibrated(tmp_path):
     assert got == [hf_greedy(model, p, NEW, served_quant_cache(model, p, llm.cache_config)) for p in ids]
     unclipped = CacheConfig(sink=SINK, recent=RECENT, layers=[[f.split("c")[0] for f in pair] for pair in layers])
     assert got != [hf_greedy(model, p, NEW, served_quant_cache(model, p, unclipped)) for p in ids]
+
+
+def test_calibrated_token_axis_formats_are_served(tmp_path):
+    """A section whose per-layer choice has token-axis paths (what the default calibration search may pick,
+    clipped or not) round-trips through config.json and is served as calibrated: greedy tokens equal
+    `generate` with a token-by-token QuantMLACache of the same per-layer formats."""
+    import json
+
+    from quantmla.calibrate.export import cache_config_of
+    from quantmla.models import load_model
+
+    path = tmp_path / "ckpt"
+    model = sharp_model("deepseek_v3")
+    model.save_pretrained(path)
+    n = len(describe(model))
+    chosen = CacheConfig("int4", "int4", SINK, RECENT, layers=[[("int2:t8c0.9", "int4:16"), ("int4:16", "int4:t16c0.8"),
+                                                                ("int4:t4", "int2:t8")][i % 3] for i in range(n)])
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["quantmla"] = {"method": "quantmla", **chosen.to_dict()}
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert cache_config_of(path) == chosen
+    llm = LLM(path, max_num_seqs=4, block_size=PAGE, prefill_chunk=16, kv_cache_bytes=1 << 22)
+    assert [(c.content.fmt, c.rope.fmt) for c in llm.runner.caches] == list(chosen.layers)
+    model = load_model(path)
+    ids = prompts(model.config.vocab_size, (40, 70))
+    got = [o.token_ids for o in llm.generate(ids, SamplingParams(max_tokens=NEW, ignore_eos=True))]
+    assert got == [hf_greedy(model, p, NEW, served_quant_cache(model, p, chosen)) for p in ids]
+    assert llm.stats()["pages_used"] == 0
 
 
 def test_per_layer_windows_bf16_layer_beside_quantized_ones(tmp_path):

@@ -14,10 +14,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 triton = pytest.importorskip("triton", reason="the decode kernel needs triton")
+import triton.language as tl  # noqa: E402
 
 from quantmla.cache.paged import PagedMLACache, make_block_tables  # noqa: E402
 from quantmla.config import CacheConfig  # noqa: E402
-from quantmla.kernels.mla_decode import KernelConfig, default_config, mla_decode, mla_decode_reference  # noqa: E402
+from quantmla.kernels.mla_decode import (KernelConfig, _split_codes, default_config, mla_decode,  # noqa: E402
+                                         mla_decode_reference)
+from quantmla.policy import block_of, quantized_end  # noqa: E402
 from quantmla.quant.formats import dequantize, quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,42 +91,66 @@ def test_reference_matches_naive_softmax_attention():
 # --- the paged writer ----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmts", [("int4", "int4:32"), ("int2", "int4:32"), ("fp8:32", "bf16")])
-def test_pool_holds_quantize_codes_and_window_moves_on_time(fmts):
-    dc, dr, sink, recent, page = 64, 32, 4, 8, 16
+def quantized_positions(cache, path, L):
+    """[L] bool: the positions `path` holds in the pool (the rule of quantmla.policy)."""
+    pos = torch.arange(L, device=DEV)
+    return (pos >= cache.sink) & (pos < quantized_end(L, cache.sink, cache.recent, block_of(path.fmt)))
+
+
+def check_pools_and_window(cache, slot, table, c, r, L, only_quantized=True):
+    """The pools hold quantize()'s codes (and scales, at their scale rows) of the positions the rule has
+    quantized (and, only_quantized, no others: the decode writer also writes rows no reader looks at); the
+    protected rows hold the others exactly, in the documented rows."""
+    pos = torch.arange(L, device=DEV)
+    rows = cache.pool_rows(table, pos)
+    for (path, prot, ring), x in zip(cache.paths(), (c, r)):
+        quant = quantized_positions(cache, path, L)
+        if path.scale is not None and only_quantized:  # exactly the quantized positions' scale rows were written
+            written = torch.zeros(path.scale[..., 0].numel(), dtype=torch.bool, device=DEV)
+            if quant.any():
+                written[cache.scale_rows(path, table, pos[quant])] = True
+            assert torch.equal(~torch.isnan(path.scale.view(-1, path.scale.shape[-1])[:, 0].float()), written), L
+        if quant.any():
+            want = quantize(x[:L][quant], path.fmt)
+            srows = cache.scale_rows(path, table, pos[quant])[:: block_of(path.fmt)]
+            for i, (pool, val) in enumerate(zip(path.tensors(), want.tensors())):
+                at = rows[quant] if i == 0 else srows
+                assert torch.equal(pool.view(-1, pool.shape[-1])[at], val.to(pool.dtype)), (L, i)
+        prot_pos = pos[~quant]
+        assert torch.equal(prot[slot, cache.protected_row(prot_pos, ring)], x[prot_pos]), L
+
+
+@pytest.mark.parametrize("fmts", [("int4", "int4:32"), ("int2", "int4:32"), ("fp8:32", "bf16"),
+                                  ("int4:t8", "int4:32"), ("int4", "int2:t4"), ("int2:t16", "int4:t4"),
+                                  ("bf16", "int8:t8")])
+@pytest.mark.parametrize("sink", [4, 0])
+def test_pool_holds_quantize_codes_and_window_moves_on_time(fmts, sink):
+    dc, dr, recent, page = 64, 32, 8, 16
     cfg = CacheConfig(*fmts, sink=sink, recent=recent)
-    table, nb = make_block_tables([60], page, generator=torch.Generator().manual_seed(0))
+    table, nb = make_block_tables([90], page, generator=torch.Generator().manual_seed(0))
     cache = PagedMLACache.allocate(cfg, dc, dr, nb, 2, block_size=page, device=DEV, fill=NAN)
     table = table[0].to(DEV)
-    c = torch.randn(60, dc, device=DEV).bfloat16()
-    r = torch.randn(60, dr, device=DEV).bfloat16()
+    c = torch.randn(90, dc, device=DEV).bfloat16()
+    r = torch.randn(90, dr, device=DEV).bfloat16()
     L = 0
-    for n in [1, 2, 5, 1, 1, 9, 1, 30, 1, 9]:
+    for n in [1, 2, 5, 1, 1, 9, 1, 30, 1, 9, 3, 1, 26]:
         cache.append(1, table, L, c[L : L + n], r[L : L + n])
         L += n
-        pos = torch.arange(L, device=DEV)
-        quant = (pos >= sink) & (pos < L - recent)
-        rows = cache.pool_rows(table, pos)
-        # Exactly the positions that left the window hold codes, and they are quantize()'s codes.
-        written = ~torch.isnan(cache.content.scale.view(-1, cache.content.scale.shape[-1])[rows, 0].float())
-        assert torch.equal(written, quant), L
-        if quant.any():
-            for path, x in ((cache.content, c[:L][quant]), (cache.rope, r[:L][quant])):
-                want = quantize(x, path.fmt)
-                for pool, val in zip(path.tensors(), want.tensors()):
-                    assert torch.equal(pool.view(-1, pool.shape[-1])[rows[quant]], val.to(pool.dtype))
-        # Protected tokens are exact (bf16) and in the documented rows.
-        prot = pos[~quant]
-        prow = cache.protected_row(prot)
-        assert torch.equal(cache.protected_content[1, prow], c[prot])
-        assert torch.equal(cache.protected_rope[1, prow], r[prot])
+        check_pools_and_window(cache, 1, table, c, r, L)
+
+
+def band_of(cache, path, start, end):
+    """The band of a chunk [start, end) in one path: [quantized_end(start + 1), quantized_end(end))."""
+    q = lambda n: quantized_end(n, cache.sink, cache.recent, block_of(path.fmt))  # noqa: E731
+    return q(start + 1), q(end)
 
 
 @pytest.mark.parametrize("cfg", [("int4", "int4:32", 4, 8), ("int2", "fp8:0", 0, 8), ("int4", "fp8:32", 3, 0),
-                                 ("bf16", "bf16", 4, 8)])
+                                 ("bf16", "bf16", 4, 8), ("int4:t8", "int4:t8", 4, 8), ("int4", "int4:t16", 3, 5),
+                                 ("int2:t4", "bf16", 0, 0), ("int4:t16", "int2:t8", 5, 0)])
 def test_chunk_view_is_the_served_cache_and_its_band(cfg):
     """write_chunk's view (built from the values it writes) = gather() after the chunk, and its band = the
-    positions a query of the chunk sees unquantized although the served cache has them quantized."""
+    positions each path has quantized after the chunk but not in the cache the chunk's first query sees."""
     dc, dr, page = 64, 32, 16
     cc = CacheConfig(cfg[0], cfg[1], sink=cfg[2], recent=cfg[3])
     table, nb = make_block_tables([90], page, generator=torch.Generator().manual_seed(3))
@@ -136,18 +163,20 @@ def test_chunk_view_is_the_served_cache_and_its_band(cfg):
         view = cache.write_chunk(2, cache.chunk_rows(table, start, n), c[start:end], r[start:end], view_dtype=torch.float32)
         served = cache.gather(2, table, end, torch.float32)
         assert torch.equal(view.c, served[0]) and torch.equal(view.k_pe, served[1]), (start, n)
-        sink, recent = cache.sink, cache.recent
-        lo, hi = max(sink, start + 1 - recent), max(sink, end - recent)
-        lo = min(lo, hi) if recent else hi
-        assert torch.equal(view.band_c, c[lo:hi].float()) and torch.equal(view.band_r, r[lo:hi].float())
-        bands += hi - lo
+        for path, x, band in ((cache.content, c, view.band_c), (cache.rope, r, view.band_r)):
+            lo, hi = band_of(cache, path, start, end)
+            assert torch.equal(band, x[lo:hi].float())
+            bands += hi - lo
+        check_pools_and_window(cache, 2, table, c, r, end)
         start = end
-    assert bands > 0 or cache.recent == 0
+    assert bands > 0 or cache.window == 0
 
 
-@pytest.mark.parametrize("cfg", [("int4", "int4:32", 4, 8), ("int2", "bf16", 0, 8), ("int4", "int4:32", 3, 0)])
+@pytest.mark.parametrize("cfg", [("int4", "int4:32", 4, 8), ("int2", "bf16", 0, 8), ("int4", "int4:32", 3, 0),
+                                 ("int4:t8", "int4:32", 4, 8), ("int4", "int2:t16", 3, 5), ("int4:t4", "int4:t8", 0, 0),
+                                 ("int8:t16", "int4:t16", 5, 3)])
 def test_decode_writer_matches_bulk_writer(cfg):
-    dc, dr, page, n = 64, 32, 16, 40
+    dc, dr, page, n = 64, 32, 16, 60
     cc = CacheConfig(cfg[0], cfg[1], sink=cfg[2], recent=cfg[3])
     tables, nb = make_block_tables([n, n], page)
     tables = tables.to(DEV)
@@ -158,14 +187,111 @@ def test_decode_writer_matches_bulk_writer(cfg):
     for b in range(2):
         bulk.append(b, tables[b], 0, c[b], r[b])
     slots = torch.tensor([0, 1], device=DEV)
-    for t in range(n):
-        step.append_decode(slots, tables, torch.full((2,), t, device=DEV), c[:, t], r[:, t])
+    for t in range(n + 1):  # the second sequence a step behind: their blocks complete in different steps
+        batch = torch.tensor([b for b in (0, 1) if 0 <= t - b < n], device=DEV)
+        lens = t - batch
+        step.append_decode(slots[batch], tables[batch], lens, c[batch, lens], r[batch, lens])
     for b in range(2):
         for x, y in zip(bulk.gather(b, tables[b], n), step.gather(b, tables[b], n)):
             assert torch.equal(x, y)
+        check_pools_and_window(step, b, tables[b], c[b], r[b], n, only_quantized=False)
+
+
+def test_token_axis_blocks_must_divide_the_page_and_bytes_are_counted_exactly():
+    with pytest.raises(ValueError, match="int4:t32.*divide the page size 16"):
+        PagedMLACache.allocate(CacheConfig("int4", "int4:t32"), 64, 32, 4, 1, block_size=16)
+    cache = PagedMLACache.allocate(CacheConfig("int4:t16", "int2:t8", sink=3, recent=5), 64, 32, 4, 2, block_size=16)
+    # codes per row, fp16 scale + zero per channel per block of a page
+    assert cache.page_bytes == 16 * 32 + 2 * 2 * 64 * 1 + 16 * 8 + 2 * 2 * 32 * 2
+    assert cache.body_bytes_per_token == cache.page_bytes / 16
+    assert cache.rings == (5 + 16 - 1, 5 + 8 - 1) and cache.window == 3 + 20  # a ring per path
+    assert cache.memory_bytes() == 4 * cache.page_bytes + 2 * ((3 + 20) * 64 + (3 + 12) * 32) * 2
 
 
 # --- the kernel ----------------------------------------------------------------------------------------------
+
+
+def _run_ptx(text: str, operands: dict[int, int]) -> dict[int, int]:
+    """Execute the few PTX instructions `_int_dequant_ptx` emits on 32-bit registers; operands maps $i to its
+    register value; returns every register afterwards (by $i for operands)."""
+    def bf16(bits):
+        return torch.tensor([bits << 16], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
+
+    def to_bf16(x):  # round the exact value x (a double) to bf16, nearest even: one rounding, as fma.rn does
+        if x == 0:
+            return 0
+        m, e = math.frexp(x)
+        x = round(m * 256) * 2.0 ** (e - 8)
+        return (torch.tensor([x], dtype=torch.float32).view(torch.int32).item() >> 16) & 0xFFFF
+
+    regs = {f"${i}": v for i, v in operands.items()}
+    val = lambda a: regs[a] if a in regs else int(a, 0)  # noqa: E731
+    for line in text.splitlines():
+        line = line.strip().rstrip(";")
+        if line in ("{", "}") or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        d, *src = [a.strip() for a in args.split(",")]
+        if op == "mov.b32":
+            out = val(src[0])
+        elif op == "prmt.b32":
+            pool = [(val(src[0]) | val(src[1]) << 32) >> (8 * i) & 0xFF for i in range(8)]
+            out = sum(pool[(val(src[2]) >> (4 * i)) & 7] << (8 * i) for i in range(4))
+        elif op == "shr.u32":
+            out = val(src[0]) >> val(src[1])
+        elif op == "lop3.b32":
+            a, b, c, lut = map(val, src)
+            out = sum(((lut >> ((a >> i & 1) << 2 | (b >> i & 1) << 1 | (c >> i & 1))) & 1) << i for i in range(32))
+        elif op == "fma.rn.bf16x2":
+            a, b, c = map(val, src)
+            out = sum(to_bf16(bf16(a >> h & 0xFFFF) * bf16(b >> h & 0xFFFF) + bf16(c >> h & 0xFFFF)) << h
+                      for h in (0, 16))
+        else:
+            raise AssertionError(f"unexpected PTX instruction {op}")
+        regs[d] = out & 0xFFFFFFFF
+    return regs
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_ptx_dequant_per_group_and_per_code(bits):
+    """The inline-PTX dequantization, executed instruction by instruction on the CPU: 4 code bytes (Triton's
+    pack=4: one b32 register; bf16 operands as two registers of element pairs, element 0 in the low half) ->
+    per code k of each byte e, (code - mid) * scale_hi + centred zero, then + (code - mid) * scale_lo, each
+    rounded to bf16. Per group: one scale per byte for all its codes; per code (token-axis): each call
+    takes the scales of one code's channels and returns that code only."""
+    from quantmla.kernels.mla_decode import _int_dequant_ptx
+
+    g = torch.Generator().manual_seed(0)
+    n, mid = 8 // bits, 1 << (bits - 1)
+    as_bf16 = lambda x: x.bfloat16().view(torch.int16).int() & 0xFFFF  # noqa: E731
+    pairs = lambda b: [b[0].item() | b[1].item() << 16, b[2].item() | b[3].item() << 16]  # noqa: E731
+    for _ in range(20):
+        w = torch.randint(0, 256, (4,), generator=g)
+        codes = (w[:, None] >> (bits * torch.arange(n))) & ((1 << bits) - 1)  # [byte, code]
+        sc = torch.rand(4, n, generator=g) + 0.01
+        zr = torch.randn(4, n, generator=g)
+        hi = sc.bfloat16().float()
+        lo = (sc - hi).bfloat16().float()
+        zc = (zr + mid * sc).bfloat16().float()
+        t = (codes - mid).double()
+        want = (t * hi.double() + zc.double()).bfloat16().double()  # exact before rounding: |t * hi| has 9 bits
+        want = (t * lo.double() + want).bfloat16().float()
+        word = sum(int(w[e]) << (8 * e) for e in range(4))
+        # per group: the scale of code 0 for every code of the byte
+        ops = dict(enumerate([0] * (2 * n) + [word] + pairs(as_bf16(hi[:, 0])) + pairs(as_bf16(lo[:, 0]))
+                             + pairs(as_bf16(zc[:, 0]))))
+        regs = _run_ptx(_int_dequant_ptx(bits), ops)
+        one = ((t * hi[:, :1].double() + zc[:, :1].double()).bfloat16().double() + t * lo[:, :1].double()).bfloat16()
+        for k in range(n):
+            got = [regs[f"${2 * k + e // 2}"] >> (16 * (e % 2)) & 0xFFFF for e in range(4)]
+            assert got == as_bf16(one[:, k].float()).tolist(), (bits, k)
+        for k in range(n):  # per code: its own scale operands
+            ops = dict(enumerate([0, 0, word] + pairs(as_bf16(hi[:, k])) + pairs(as_bf16(lo[:, k]))
+                                 + pairs(as_bf16(zc[:, k]))))
+            regs = _run_ptx(_int_dequant_ptx(bits, k), ops)
+            got = [regs[f"${e // 2}"] >> (16 * (e % 2)) & 0xFFFF for e in range(4)]
+            assert got == as_bf16(want[:, k]).tolist(), (bits, k)
+            torch.testing.assert_close(want[:, k], (codes[:, k] * sc[:, k] + zr[:, k]).float(), rtol=0, atol=0.05)
 
 # Mixed lengths: empty, shorter than the window, just past it, crossing page boundaries, odd.
 LENS = [0, 7, 29, 33, 50, 97]
@@ -203,6 +329,61 @@ def test_kernel_matches_reference(fmts, dc, dr, H, splits, odt):
     check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.07))
 
 
+@triton.jit
+def _split_kernel(x_ptr, o_ptr, BITS: tl.constexpr, BN: tl.constexpr, DIM: tl.constexpr, GB: tl.constexpr):
+    x = tl.load(x_ptr + tl.arange(0, BN)[:, None] * DIM + tl.arange(0, DIM)[None, :])
+    offs = tl.arange(0, BN)[:, None, None] * GB + tl.arange(0, GB)[None, None, :]
+    if BITS == 4:
+        c0, c1 = _split_codes(x, BITS, BN, GB)
+        tl.store(o_ptr + offs, c0)
+        tl.store(o_ptr + BN * GB + offs, c1)
+    else:
+        c0, c1, c2, c3 = _split_codes(x, BITS, BN, GB)
+        tl.store(o_ptr + offs, c0)
+        tl.store(o_ptr + BN * GB + offs, c1)
+        tl.store(o_ptr + 2 * BN * GB + offs, c2)
+        tl.store(o_ptr + 3 * BN * GB + offs, c3)
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_token_axis_scales_split_per_code(bits):
+    """_split_codes (the token-axis ASM path's operands, GPU only) gives code k of byte i channel
+    (8 / bits) * i + k's value: the channel the PTX call for code k dequantizes."""
+    BN, DIM = 4, 32
+    per, gb = 8 // bits, 32 * bits // 8
+    x = torch.arange(BN * DIM, dtype=torch.float32, device=DEV).view(BN, DIM)
+    out = torch.empty(per, BN, gb, device=DEV)
+    _split_kernel[(1,)](x, out, bits, BN, DIM, gb)
+    for k in range(per):
+        assert torch.equal(out[k], x[:, k::per]), k
+
+
+# Token-axis paths (sink 4, recent 24, page 16): blocks of g tokens from position 4 straddle pages; lengths
+# end before the window fills (<= 28), at its edge (28, 29), mid-block, exactly at block ends (28 + k g) and
+# across pages.
+TOKEN_LENS = [0, 3, 4, 27, 28, 29, 31, 33, 35, 36, 37, 43, 44, 47, 52, 59, 61, 64, 97]
+TOKEN_CASES = [
+    # formats, block_n (page 16), splits
+    (("int4:t8", "int4:32"), 16, 1),  # content only; a tile covers two blocks
+    (("int4", "int4:t16"), 16, 3),  # rope only; a tile is one block
+    (("int2:t8", "int4:t8"), 4, 2),  # both, one block size; tiles of half a block
+    (("int4:t4", "int2:t16"), 8, None),  # both, different blocks: the paths quantize at different lengths
+    (("int8:t8", "bf16"), 16, 1),  # beside a bf16 path (which goes to the pool token by token)
+    (("fp8", "int4:t8"), 16, 2),  # beside a channel path
+]
+
+
+@pytest.mark.parametrize("fmts,block_n,splits", TOKEN_CASES, ids=[f"{c[0][0]}-{c[0][1]}-n{c[1]}" for c in TOKEN_CASES])
+@pytest.mark.parametrize("sink", [4, 0])
+def test_kernel_token_axis_matches_reference(fmts, block_n, splits, sink):
+    dc, dr = 128, 32
+    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, TOKEN_LENS, sink=sink, chunks=[5, 20, 1, 9])
+    qn, qp = queries(len(TOKEN_LENS), 16, dc, dr)
+    cfg = KernelConfig(block_h=16, block_n=block_n, num_warps=4, num_stages=1)
+    out, lse = mla_decode(qn, qp, cache, table, seq_lens, slots, 0.07, num_splits=splits, config=cfg)
+    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.07))
+
+
 @pytest.mark.parametrize("scores_t,values_t", [(False, True), (True, False), (True, True)])
 def test_kernel_orientations(scores_t, values_t):
     dc, dr = 256, 32
@@ -219,6 +400,10 @@ GPU_CASES = [
     ("int2", "int4", True),
     ("fp8", "bf16", True),
     ("int4", "int4", False),  # the plain-Triton dequantization, on the GPU
+    ("int4", "int4:t64", True),  # token-axis (KIVI) rope: per-channel scales per block of 64 tokens
+    ("int4:t64", "int4:t64", True),
+    ("int2:t64", "int4:t64", True),
+    ("int2:t64", "int4", False),
 ]
 
 
@@ -226,7 +411,7 @@ GPU_CASES = [
 @pytest.mark.parametrize("content,rope,asm", GPU_CASES)
 def test_kernel_gpu_default_configs(content, rope, asm):
     """The launch defaults at serving shapes (page 64, window 4 + 128), both head classes."""
-    dc, dr, lens = 512, 64, [0, 1, 131, 133, 700, 4097]
+    dc, dr, lens = 512, 64, [0, 1, 131, 133, 195, 196, 197, 700, 4097]  # (token-axis blocks end at 132 + 64 k)
     cache, table, seq_lens, slots, _, _ = fill((content, rope), dc, dr, lens, page=64, recent=128)
     for H in (16, 128):
         qn, qp = (q.bfloat16() for q in queries(len(lens), H, dc, dr))
@@ -261,12 +446,13 @@ def test_kernel_cuda_graph_replay():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU: CUDA graphs and the CUDA sync checker")
-def test_decode_step_writer_and_kernel_in_one_cuda_graph():
+@pytest.mark.parametrize("fmts", [("int4", "int4"), ("int4", "int4:t64")])
+def test_decode_step_writer_and_kernel_in_one_cuda_graph(fmts):
     """An engine's decode step — append the new token (unchecked: no host sync), attend over the grown
     cache — captured once as a CUDA graph and replayed step after step, equals the eager checked writer
-    plus the reference; the checked writer is the one that syncs."""
-    dc, dr, lens, steps = 512, 64, [3, 130, 140], 6  # a sink token joins, the window starts to move
-    mk = lambda: fill(("int4", "int4"), dc, dr, lens, page=64, recent=128)  # noqa: E731 (same seed: same cache)
+    plus the reference; the checked writer is the one that syncs. Token-axis: a block completes at 195."""
+    dc, dr, lens, steps = 512, 64, [3, 130, 192], 6  # a sink token joins, the window starts to move
+    mk = lambda: fill(fmts, dc, dr, lens, page=64, recent=128)  # noqa: E731 (same seed: same cache)
     cache, table, seq_lens, slots, _, _ = mk()
     eager, *_ = mk()
     g = torch.Generator().manual_seed(5)

@@ -251,3 +251,21 @@ def test_cuda_kernel_graph_capture_and_replay():
         lens_dev.copy_(torch.tensor(new, dtype=torch.int32))
         graph.replay()
         check(out, lse, *mla_decode_reference(qn, qp, cache, table, lens_dev, slots, 0.05))
+
+
+@pytest.mark.parametrize("fmts", [("int4", "int4:t64"), ("int4:t64", "int4")])
+def test_token_axis_caches_never_go_to_the_cuda_kernel(monkeypatch, fmts):
+    """The CUDA kernel reads no token-axis scales: such a cache is Triton's even when the CUDA kernel is
+    forced, and the kernel itself says why it refuses it."""
+    from quantmla.cache.paged import PagedMLACache
+    from quantmla.config import CacheConfig
+
+    cache = PagedMLACache.allocate(CacheConfig(*fmts), 512, 64, 2, 1, block_size=64, device="meta")
+    for choice in ("auto", "cuda"):
+        monkeypatch.setenv(mdc.ENV, choice)
+        monkeypatch.setattr(mdc, "AUTO_CUDA_MAX_HEADS", 16)
+        assert mdc.decode_kernel_name(cache, 16, torch.device("cuda")) == "triton"
+    assert "token-axis" in mdc.unsupported_reason(cache, 16, torch.device("cuda"))
+    with pytest.raises(ValueError, match="cannot run this: token-axis"):
+        mdc.mla_decode_cuda(torch.zeros(1, 16, 512), torch.zeros(1, 16, 64), cache, None, None, None, 0.1,
+                            max_seq_len=1)

@@ -79,8 +79,11 @@ def test_paged_cache_needs_one_layers_config():
     with pytest.raises(ValueError, match="per-layer formats"):
         PagedMLACache.allocate(cfg, 512, 64, 2, 1)
     assert PagedMLACache.allocate(cfg.at(0), 512, 64, 2, 1).body_bytes_per_token == 324
-    with pytest.raises(ValueError, match="token-axis formats need per-channel scales per page"):
-        PagedMLACache.allocate(CacheConfig("int4:t64", "int4"), 512, 64, 2, 1)
+    # token-axis: fp16 scale + zero per channel and block of 64 tokens, the same bytes as groups of 64 channels
+    tokens = PagedMLACache.allocate(CacheConfig("int4:t64", "int4:t64"), 512, 64, 2, 1)
+    assert tokens.body_bytes_per_token == 324 == bytes_per_token(tokens.content.fmt, 512) + 36
+    with pytest.raises(ValueError, match="int4:t64's block of 64 tokens must divide the page size 32"):
+        PagedMLACache.allocate(CacheConfig("int4", "int4:t64"), 512, 64, 2, 1, block_size=32)
 
 
 def test_measured_bytes_average_the_layers():

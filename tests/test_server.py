@@ -418,5 +418,8 @@ def test_serve_command_builds_the_engine_and_says_where(monkeypatch, capsys):
     assert (host, port, llm.max_model_len, llm.stats()["format"]) == ("127.0.0.1", 8123, 1024, "int2/int4")
     out = capsys.readouterr().out
     assert "http://127.0.0.1:8123/v1" in out and f"{llm.capacity_tokens} tokens" in out
+    assert main(["serve", "--device", "cpu", "--rope", "int4:t64", "--kv-cache-bytes", "14e6", "--max-num-seqs",
+                 "4", "--max-model-len", "1024"]) == 0  # a token-axis (KIVI-style) RoPE path
+    assert served_with[-1][0].stats()["format"] == "int4/int4:t64"
     assert main(["serve", "--device", "cpu", "--kv-cache-bytes", "1000"]) == 2  # no page fits: one-line error
     assert "holds no page" in capsys.readouterr().err

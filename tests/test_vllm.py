@@ -146,6 +146,8 @@ def test_attach_refuses_a_wrong_tensor():
     strided = torch.zeros(4, 32, 162, dtype=torch.bfloat16)[:, ::2]
     with pytest.raises(ValueError, match="strides"):
         layout.attach(strided, cfg, 512, 64, 2)
+    with pytest.raises(ValueError, match="one packed row per token.*int4:t64"):  # scales per block of tokens
+        layout.row_bytes(CacheConfig("int4", "int4:t64"), 512, 64)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -203,6 +203,7 @@ def cmd_calibrate(args) -> None:
     console.print(calibration_table(reports))
     chosen = chosen_config(cfg, reports)
     unservable = sorted({str(f) for pair in chosen.per_layer for f in pair if not SearchSpace.servable(f)})
+    token = sorted({str(f) for pair in chosen.per_layer for f in pair if f.axis == "token"})
     from quantmla.calibrate.budget import fraction_at
     from quantmla.eval.suite import body_bytes_per_token
 
@@ -211,9 +212,10 @@ def cmd_calibrate(args) -> None:
     console.print(f"cache: {body:g} B/token/layer quantized (BF16 {2 * (dc + dr)}); with sink {chosen.sink} + recent "
                   f"{chosen.recent} in BF16: {100 * fraction_at(body, 2 * (dc + dr), chosen, args.context):.2f} % "
                   f"of BF16 at {args.context} tokens", soft_wrap=True)
-    console.print("servable by `quantmla serve` (paged cache, fused writer, decode kernel): "
-                  + ("yes" if not unservable else f"no: {', '.join(unservable)} (token-axis formats are evaluated "
-                     "by `quantmla eval` through QuantMLACache only)"), soft_wrap=True)
+    console.print("servable by `quantmla serve` (paged cache, its writers, decode kernel): "
+                  + ("yes" if not unservable else f"no: {', '.join(unservable)}")
+                  + (f"; by the vLLM plugin: no, token-axis {', '.join(token)} (calibrate with --no-token-axis "
+                     "for vLLM)" if token else ""), soft_wrap=True)
     if args.streaming:
         out = result.out_dir
         console.print(f"peak resident weights {result.peak_weight_bytes / 2**20:.1f} MiB of "
@@ -384,10 +386,11 @@ def build_parser() -> argparse.ArgumentParser:
                                    "write a checkpoint that plain transformers loads; its config.json gets a "
                                    "quantmla section that configures quantmla's cache. Per path and layer the "
                                    "search also chooses the quantizer: RTN (identity), SmoothQuant and the fitted "
-                                   "transform, each with every clipping ratio of --clips (and with --token-axis "
-                                   "KIVI-style token groups), scored on held-out selection sequences; the "
-                                   "chosen formats go into the section per layer. Every point is servable by "
-                                   "`quantmla serve` except token-axis ones.")
+                                   "transform, each with every clipping ratio of --clips, with channel groups and "
+                                   "KIVI-style token groups (unless --no-token-axis), scored on held-out "
+                                   "selection sequences; the chosen formats go into the section per layer. Every "
+                                   "point is servable by `quantmla serve`; the vLLM plugin serves channel "
+                                   "groups only.")
     s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--content", default="int4", help="content format (default int4)")
     s.add_argument("--rope", default="int4", help="RoPE format (default int4)")
@@ -402,10 +405,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clipping ratios the search tries per path and layer, chosen on the real objective of "
                         f"the selection sequences (default {','.join(map(str, CLIPS))}; 1 = no clipping). "
                         "Servable: `quantmla serve` writes clipped formats byte for byte")
-    s.add_argument("--token-axis", action="store_true",
-                   help="also try KIVI-style token-axis groups (int4:t64, at no more bytes) per path and layer. "
-                        "NOT servable: the paged engine (`quantmla serve`) refuses token-axis formats; "
-                        "`quantmla eval` runs them through QuantMLACache")
+    s.add_argument("--token-axis", action=argparse.BooleanOptionalAction, default=True,
+                   help="also try KIVI-style token-axis groups (int4:t64, at no more bytes) per path and layer "
+                        "(default; `quantmla serve` serves them with pages of 64 tokens). --no-token-axis: "
+                        "channel groups only, e.g. for the vLLM plugin, which stores one packed row per token")
     s.add_argument("--budget", type=float,
                    help="cache size as a fraction of BF16's at --context tokens, e.g. 0.27: choose bits and group "
                         "size per path and layer (bf16, int8/int4/int2 channel groups: all servable) to fit it, "
@@ -487,8 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "/health and /metrics (Prometheus). One model, n=1. Needs the serve extra "
                                    "(pip install -e '.[serve]').")
     s.add_argument("model", nargs="?", help=MODEL_HELP)
-    s.add_argument("--content", help="content format: bf16, fp8, int8, int4, int2 [:group] (default: a calibrated "
-                                     "checkpoint's own, else int4)")
+    s.add_argument("--content", help="content format: bf16, fp8, int8, int4, int2 [:group], or token-axis (KIVI-style) "
+                                     "int8/int4/int2:tTOKENS, e.g. int4:t64 (TOKENS dividing the 64-token page) "
+                                     "(default: a calibrated checkpoint's own, else int4)")
     s.add_argument("--rope", help="RoPE format, same spelling (default: a calibrated checkpoint's own, else int4)")
     s.add_argument("--sink", type=int, help="first tokens kept in BF16 (default: the checkpoint's, else 4)")
     s.add_argument("--recent", type=int, help="most recent tokens kept in BF16 (default: the checkpoint's, else 128)")

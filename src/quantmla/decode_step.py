@@ -6,7 +6,8 @@
 `layer` its `MLALayer`; `hidden` [B, 1, hidden] is the attention's input for the new token of each sequence
 and `position_embeddings` what the model passes its attention for that token. The step
   1. projects the new token's cache entry (c, k_pe) exactly as the model would cache it and appends it to
-     `cache` (`PagedMLACache.append_decode`: quantized as tokens leave the BF16 window),
+     `cache` (`PagedMLACache.append_decode`: quantized as tokens leave the BF16 window, a token-axis
+     path's block once all of it has),
   2. projects the queries, absorbs W_uk into them (q~ = W_uk^T q_nope),
   3. attends over the grown cache: the Triton kernel (`mla_decode`: dequantization inside) on CUDA, the
      plain-torch `mla_decode_reference` elsewhere (`kernel="triton"` forces the kernel, e.g. under

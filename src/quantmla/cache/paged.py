@@ -2,7 +2,8 @@
 
 Layout (one layer; the engine keeps one `PagedMLACache` per layer and one block table per sequence,
 shared by all layers). `P` = page size in tokens (`block_size`), `NB` = pool blocks, `dc` = kv_lora_rank,
-`dr` = rope dims, `g` = a path's group size, `S` = max sequences (protected slots), `W` = sink + recent.
+`dr` = rope dims, `g` = a path's group size, `S` = max sequences (protected slots), `W` = sink + ring, per
+path (ring = recent for channel formats, recent + g - 1 for token-axis ones; see below).
 
 Body pools, one `PagedPath` per cache path (content: dim = dc, rope: dim = dr), byte layouts exactly those
 of `quantmla.quant.formats` (the pool holds `quantize()`'s output, row for row):
@@ -11,19 +12,29 @@ of `quantmla.quant.formats` (the pool holds `quantize()`'s output, row for row):
                   scale fp16    [NB, P, dim/g]        x ~= code * scale + zero (a clipping ratio,
                                                       QuantFormat.clip, changes only how scale/zero are chosen)
                   zero  fp16    [NB, P, dim/g]
+  token-axis      codes uint8   [NB, P, dim*bits/8]   as above, one row per token
+  int8/int4/int2  scale fp16    [NB, P/g, dim]        one per channel and block of g tokens (KIVI-style;
+  (`int4:t64`)    zero  fp16    [NB, P/g, dim]        g must divide P)
   fp8             codes uint8   [NB, P, dim]          e4m3 bit patterns
                   scale fp32    [NB, P, dim/g]        x ~= e4m3(code) * scale  (g = 0: no scale, 1.0)
   bf16            codes bf16    [NB, P, dim]          the values themselves
 Token at position p of a sequence lives in pool row `(block_table[p // P], p % P)`. Only positions that have
-left the protected window are ever written there; the rows of protected positions stay unused (the first
-block of a sequence therefore wastes `sink` rows, a few hundred bytes).
+been quantized are ever written there; the rows of protected positions stay unused (the first block of a
+sequence therefore wastes `sink` rows, a few hundred bytes). A token-axis path quantizes blocks of g tokens
+counted from sink (`quantmla.policy`): block [s, s + g) keeps its scale and zero in the page where it
+starts, at scale row ((s % P) // g) of block_table[s // P], i.e. at flat scale row pool_row(s) // g
+(`scale_rows`); exactly P/g blocks start in each page, and a block may end in the next page.
 
-Protected tokens (BF16, never quantized): `protected_content` bf16 [S, W, dc] and `protected_rope`
-bf16 [S, W, dr], indexed by the sequence's slot. Row p holds sink position p (p < sink); row
-`sink + (p - sink) % recent` holds a recent position p >= sink (a ring). For a sequence of length L:
-  - rows [0, min(L, W)) are valid (sink rows first, then the ring; attention does not care about order);
-  - positions [sink, L - recent) are quantized (none while L <= W);
-  - a token is quantized at the step its position drops out of the last `recent` positions.
+Protected tokens (BF16, never quantized): `protected_content` bf16 [S, W_content, dc] and `protected_rope`
+bf16 [S, W_rope, dr], indexed by the sequence's slot. What a path holds quantized follows
+`quantmla.policy`: for a sequence of length L, positions [sink, Q) are quantized with
+Q = quantized_end(L, sink, recent, block), block = g for a token-axis path and 1 otherwise: a channel path
+quantizes a token at the step it drops out of the last `recent` positions, a token-axis path a whole block
+at the step its last token does (until then its tokens wait in the ring: staged). So at most
+ring = recent + block - 1 positions past the sink are unquantized (`rings`, per path), and a path's protected
+rows hold its positions [0, min(L, sink)) and [Q, L): row p for sink position p (p < sink), row
+sink + (p - sink) % ring for p >= sink (a ring); the ring's other rows are stale. Content and rope decide
+separately: with different blocks their Q differ.
 When both paths are bf16 there is nothing to protect: W = 0 and every token goes straight to the pool.
 
 Use: `cache = PagedMLACache.allocate(CacheConfig(...), dc, dr, num_blocks, max_seqs, block_size=64,
@@ -36,11 +47,12 @@ block manager) and a slot; `cache.append(slot, table, seq_len, c, k_pe)` writes 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from quantmla.config import CacheConfig, QuantFormat
+from quantmla.policy import block_of, block_start, quantized_end, ring_size
 from quantmla.quant.formats import Packed, dequantize, quantize
 
 PAGED_KINDS = ("bf16", "fp8", "int8", "int4", "int2")  # what the pools and the decode kernel read
@@ -51,6 +63,8 @@ class PagedPath:
     """One cache path's pools (see the module docstring for shapes, dtypes and byte layouts).
 
     scale/zero are None where the format has none (bf16; zero also for fp8; scale for fp8 with group 0).
+    Rows are flat: pool row = block * P + offset; scale rows likewise, of the scale/zero pools (for channel
+    formats the token's own row; for token-axis ones `PagedMLACache.scale_rows`).
     """
 
     fmt: QuantFormat
@@ -59,28 +73,42 @@ class PagedPath:
     scale: torch.Tensor | None = None
     zero: torch.Tensor | None = None
 
+    @property
+    def block(self) -> int:
+        return block_of(self.fmt)
+
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.scale, self.zero) if t is not None]
 
-    def write(self, rows: torch.Tensor, x: torch.Tensor, checked: bool = True) -> Packed:
-        """Quantize x [n, dim] with `quantize()` and store it at flat pool rows [n] (block * P + offset);
-        returns what was stored (in the pools' dtypes). checked=False: no value checks, so no host sync."""
+    def write(self, rows: torch.Tensor, x: torch.Tensor, checked: bool = True, scale_rows: torch.Tensor | None = None,
+              keep: torch.Tensor | None = None) -> Packed:
+        """Quantize x [n, dim] with `quantize()` and store it: codes at flat pool rows [n], scale/zero at
+        `scale_rows` ([n / block]: token-axis, x is whole blocks in order; default `rows`). keep [n] bool:
+        where False the pools keep what they hold (constant within a block). Returns what was quantized
+        (in the pools' dtypes). checked=False: no value checks, so no host sync."""
         p = quantize(x, self.fmt, "cache", checked)
         stored = [val.to(pool.dtype) for pool, val in zip(self.tensors(), p.tensors())]
-        for pool, val in zip(self.tensors(), stored):
-            pool.view(-1, pool.shape[-1])[rows] = val
+        for i, (pool, val) in enumerate(zip(self.tensors(), stored)):
+            at = rows if i == 0 or scale_rows is None else scale_rows
+            flat = pool.view(-1, pool.shape[-1])
+            if keep is not None:
+                val = torch.where(keep[:: x.shape[0] // max(val.shape[0], 1), None], val, flat[at])
+            flat[at] = val
         return Packed(*stored)
 
-    def read(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Dequantize the tokens at flat pool rows [n] -> [n, dim] in `dtype` (via `dequantize()`)."""
-        flat = [t.view(-1, t.shape[-1])[rows] for t in self.tensors()]
-        if self.fmt.kind == "fp8" and self.fmt.group == 0:
-            return dequantize(Packed(flat[0]), self.fmt, dtype)
-        return dequantize(Packed(*flat), self.fmt, dtype)
+    def read(self, rows: torch.Tensor, dtype: torch.dtype = torch.float32, scale_rows: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Dequantize the tokens at flat pool rows [n] (scales at `scale_rows` [n], default `rows`) -> [n, dim]
+        in `dtype`, via `dequantize()` (a token-axis path reads one scale row per token: the same arithmetic)."""
+        flat = [t.view(-1, t.shape[-1]) for t in self.tensors()]
+        at = rows if scale_rows is None else scale_rows
+        fmt = replace(self.fmt, group=1) if self.block > 1 else self.fmt
+        return dequantize(Packed(flat[0][rows], *(t[at] for t in flat[1:])), fmt, dtype)
 
     @property
-    def bytes_per_token(self) -> int:
-        return sum(t.shape[-1] * t.element_size() for t in self.tensors())
+    def page_bytes(self) -> int:
+        """Bytes of one pool block (P tokens), scales and zeros included."""
+        return sum(t[0].numel() * t.element_size() for t in self.tensors())
 
 
 def _alloc_path(fmt: QuantFormat, dim: int, num_blocks: int, block_size: int, device, fill,
@@ -94,30 +122,33 @@ def _alloc_path(fmt: QuantFormat, dim: int, num_blocks: int, block_size: int, de
     if fmt.kind == "fp8":
         scale = torch.full((*lead, dim // fmt.group), fill, device=device) if fmt.group else None
         return PagedPath(fmt, dim, codes, scale)
-    g = dim // fmt.group
-    scale = torch.full((*lead, g), fill, dtype=torch.float16, device=device)
-    zero = torch.full((*lead, g), fill, dtype=torch.float16, device=device)
+    shape = (num_blocks, block_size // fmt.group, dim) if fmt.axis == "token" else (*lead, dim // fmt.group)
+    scale = torch.full(shape, fill, dtype=torch.float16, device=device)
+    zero = torch.full(shape, fill, dtype=torch.float16, device=device)
     return PagedPath(fmt, dim, codes, scale, zero)
 
 
 @dataclass(frozen=True)
 class ChunkRows:
-    """Where a chunk of new tokens at positions [start, end) of one sequence goes, and what attention reads.
+    """Where a chunk of new tokens at positions [start, end) of one sequence goes in one path (of `block`
+    tokens per quantized block), and what attention reads.
 
-    With S = sink and Q = max(S, end - recent), after the chunk positions [S, Q) are quantized and the rest
-    protected. In position order (E = max(S, start - recent): the quantized region before the chunk ends):
+    With S = sink and Q = quantized_end(end), after the chunk the path holds positions [S, Q) quantized and
+    the rest protected. In position order (E = quantized_end(start): the quantized region before the chunk):
       [0, min(S, end))   sink, BF16: protected rows [0, sink_old) (old), then rows new_sink = (lo, hi) taking
                          the chunk's first hi - lo tokens
-      [S, E)             quantized before the chunk: pool rows `pool_old` [E - S] int64
-      [E, Q)             quantized by this chunk: old tokens from ring rows `evict_ring`, then the chunk's tokens
-                         evict_fresh = (lo, hi) (indices into the chunk); stored at pool rows `evict_dst`
-      [Q, end)           recent, BF16: old tokens at ring rows `tail_old`, then the chunk's tokens from index
+      [S, E)             quantized before the chunk: pool rows `pool_old` [E - S] int64 (scales at
+                         `pool_old_scale`)
+      [E, Q)             quantized by this chunk (whole blocks): old tokens from ring rows `evict_ring`, then
+                         the chunk's tokens evict_fresh = (lo, hi) (indices into the chunk); stored at pool rows
+                         `evict_dst`, their scales at `evict_scale` (one per block; token-axis only)
+      [Q, end)           BF16: old tokens at ring rows `tail_old`, then the chunk's tokens from index
                          new_tail_src on, written to ring rows `new_tail`
-    The band [band_start, Q): positions quantized in the served cache after the chunk that some query of the
-    chunk still sees unquantized (within `recent` of it): band_start = max(S, start + 1 - recent), or Q when
-    recent = 0 (then no query sees a BF16 copy of a quantized position). Index tensors are None where the part is empty; all live on the block table's device.
-    They depend only on positions, the block table, page size, sink and recent, so an engine builds them
-    once per chunk for all layers.
+    The band [band_start, Q), band_start = quantized_end(start + 1): positions quantized in the served cache
+    after the chunk but not in the cache its first query sees, so every unquantized copy a query of the chunk
+    may still see of a position the served cache has quantized. Index tensors are None where the part is
+    empty; all live on the block table's device. They depend only on positions, the block table, page size,
+    sink, recent, block and ring, so an engine builds them once per chunk for all layers alike.
     """
 
     start: int
@@ -125,9 +156,11 @@ class ChunkRows:
     sink_old: int
     new_sink: tuple[int, int] | None
     pool_old: torch.Tensor | None
+    pool_old_scale: torch.Tensor | None
     evict_ring: torch.Tensor | None
     evict_fresh: tuple[int, int]
     evict_dst: torch.Tensor | None
+    evict_scale: torch.Tensor | None
     tail_old: torch.Tensor | None
     new_tail_src: int
     new_tail: torch.Tensor | None
@@ -136,40 +169,42 @@ class ChunkRows:
     band_start: int
 
     @classmethod
-    def build(cls, block_table: torch.Tensor, start: int, n: int, block_size: int, sink: int, recent: int
-              ) -> ChunkRows:
+    def build(cls, block_table: torch.Tensor, start: int, n: int, block_size: int, sink: int, recent: int,
+              block: int = 1, ring: int | None = None) -> ChunkRows:
         end, dev = start + n, block_table.device
-        q_end = max(sink, end - recent)
-        e = max(sink, start - recent)
+        ring = recent if ring is None else ring
+        q_end, e = quantized_end(end, sink, recent, block), quantized_end(start, sink, recent, block)
 
-        def positions(lo, hi):
-            return torch.arange(lo, hi, device=dev) if hi > lo else None
+        def positions(lo, hi, step=1):
+            return torch.arange(lo, hi, step, device=dev) if hi > lo else None
 
-        def pool(lo, hi):
+        def pool(pos):
+            return None if pos is None else block_table.long()[pos // block_size] * block_size + pos % block_size
+
+        def scale(pos):  # see PagedMLACache.scale_rows
+            return None if pos is None or block == 1 else pool(block_start(pos, sink, block)) // block
+
+        def ring_rows(lo, hi):
             pos = positions(lo, hi)
-            if pos is None:
-                return None
-            return block_table.long()[pos // block_size] * block_size + pos % block_size
-
-        def ring(lo, hi):
-            pos = positions(lo, hi)
-            return None if pos is None else sink + (pos - sink) % max(recent, 1)
+            return None if pos is None else sink + (pos - sink) % max(ring, 1)
 
         tail_lo = max(q_end, start)
         return cls(
             start, end,
             sink_old=min(sink, start),
             new_sink=(start, min(sink, end)) if start < min(sink, end) else None,
-            pool_old=pool(sink, e),
-            evict_ring=ring(e, min(q_end, start)),
+            pool_old=pool(positions(sink, e)),
+            pool_old_scale=scale(positions(sink, e)),
+            evict_ring=ring_rows(e, min(q_end, start)),
             evict_fresh=(max(e, start) - start, max(q_end, start) - start),
-            evict_dst=pool(e, q_end),
-            tail_old=ring(q_end, start),
+            evict_dst=pool(positions(e, q_end)),
+            evict_scale=scale(positions(e, q_end, block)),
+            tail_old=ring_rows(q_end, start),
             new_tail_src=tail_lo - start,
-            new_tail=ring(tail_lo, end),
+            new_tail=ring_rows(tail_lo, end),
             evict_start=e,
             q_end=q_end,
-            band_start=min(max(sink, start + 1 - recent), q_end) if recent else q_end,
+            band_start=quantized_end(start + 1, sink, recent, block),
         )  # fmt: skip
 
 
@@ -177,9 +212,9 @@ class ChunkRows:
 class ChunkView:
     """What a prefill chunk's attention reads, in `view_dtype`: the cache as served after the chunk, c [end,
     dc] and k_pe [end, dr] in position order (quantized positions dequantized), and `band_c` / `band_r`, the
-    BF16 values of positions [start + 1 - recent, Q) clipped to >= sink: quantized in the served cache, but
-    still unquantized for the chunk's queries within `recent` of them (as stored in the ring: rounded to the
-    protected rows' dtype)."""
+    BF16 values of each path's band [band_start, Q) (`ChunkRows`, that path's): quantized in the served
+    cache, but maybe still unquantized for some of the chunk's queries (as stored in the ring: rounded to
+    the protected rows' dtype)."""
 
     c: torch.Tensor
     k_pe: torch.Tensor
@@ -197,10 +232,11 @@ class PagedMLACache:
     block_size: int
     content: PagedPath
     rope: PagedPath
-    protected_content: torch.Tensor  # bf16 [max_seqs, W, dc]
-    protected_rope: torch.Tensor  # bf16 [max_seqs, W, dr]
+    protected_content: torch.Tensor  # bf16 [max_seqs, sink + rings[0], dc]
+    protected_rope: torch.Tensor  # bf16 [max_seqs, sink + rings[1], dr]
     sink: int  # effective: 0 when both paths are bf16
     recent: int
+    rings: tuple[int, int]  # ring rows of content and rope: recent + block - 1 (0 when both paths are bf16)
 
     @classmethod
     def allocate(
@@ -222,19 +258,21 @@ class PagedMLACache:
             raise ValueError("this cache config has per-layer formats; allocate each layer's cache with "
                              "config.at(layer)")
         config.check_dims(kv_lora_rank, rope_dim)
-        for fmt in (config.content, config.rope):
-            if fmt.kind not in PAGED_KINDS or getattr(fmt, "axis", "channel") != "channel":
-                raise ValueError(f"the paged cache stores {', '.join(PAGED_KINDS)} grouped along channels, not {fmt} "
-                                 "(token-axis formats need per-channel scales per page and BF16 staging; not built)")
-        if getattr(config, "rope_rotation", ""):
-            raise ValueError(f"the paged cache has no online rotation; {config.rope_rotation!r} would be ignored")
         if block_size <= 0:
             raise ValueError(f"block_size must be > 0, got {block_size}")
+        for fmt in (config.content, config.rope):
+            if fmt.kind not in PAGED_KINDS:
+                raise ValueError(f"the paged cache stores {', '.join(PAGED_KINDS)}, not {fmt}")
+            if fmt.axis == "token" and block_size % fmt.group:
+                raise ValueError(f"the paged cache keeps a token-axis format's scales per page: {fmt}'s block of "
+                                 f"{fmt.group} tokens must divide the page size {block_size}")
+        if getattr(config, "rope_rotation", ""):
+            raise ValueError(f"the paged cache has no online rotation; {config.rope_rotation!r} would be ignored")
         all_bf16 = config.content.kind == "bf16" and config.rope.kind == "bf16"
         sink, recent = (0, 0) if all_bf16 else (config.sink, config.recent)
-        w = sink + recent
-        prot_c = torch.full((max_seqs, w, kv_lora_rank), fill, dtype=dtype, device=device)
-        prot_r = torch.full((max_seqs, w, rope_dim), fill, dtype=dtype, device=device)
+        rings = (0, 0) if all_bf16 else tuple(ring_size(recent, block_of(f)) for f in (config.content, config.rope))
+        prot_c = torch.full((max_seqs, sink + rings[0], kv_lora_rank), fill, dtype=dtype, device=device)
+        prot_r = torch.full((max_seqs, sink + rings[1], rope_dim), fill, dtype=dtype, device=device)
         return cls(
             config,
             kv_lora_rank,
@@ -246,97 +284,132 @@ class PagedMLACache:
             prot_r,
             sink,
             recent,
+            rings,
         )
 
     @property
     def window(self) -> int:
-        """Protected rows per sequence (sink + recent)."""
-        return self.sink + self.recent
+        """Protected rows per sequence of the path with the longer ring (sink + ring; channel formats: sink
+        + recent for both)."""
+        return self.sink + max(self.rings)
 
     @property
     def num_blocks(self) -> int:
         return self.content.codes.shape[0]
 
     @property
-    def body_bytes_per_token(self) -> int:
-        """Exact pool bytes of one quantized token (both paths, scales and zeros included)."""
-        return self.content.bytes_per_token + self.rope.bytes_per_token
+    def page_bytes(self) -> int:
+        """Exact pool bytes of one page (both paths, scales and zeros included)."""
+        return self.content.page_bytes + self.rope.page_bytes
 
-    def protected_row(self, pos: torch.Tensor) -> torch.Tensor:
-        """Protected row of positions that are in the window (sink rows, then the recent ring)."""
-        ring = self.sink + (pos - self.sink).remainder(max(self.recent, 1))
-        return torch.where(pos < self.sink, pos, ring)
+    @property
+    def body_bytes_per_token(self) -> int | float:
+        """Pool bytes per quantized token, page_bytes / P (a float where that is not whole)."""
+        per = self.page_bytes / self.block_size
+        return int(per) if per.is_integer() else per
+
+    def memory_bytes(self) -> int:
+        """Bytes of every pool and protected tensor."""
+        tensors = [*self.content.tensors(), *self.rope.tensors(), self.protected_content, self.protected_rope]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def paths(self):
+        """(path, protected rows, ring) of content and rope, in that order."""
+        return ((self.content, self.protected_content, self.rings[0]), (self.rope, self.protected_rope, self.rings[1]))
+
+    def quantized_end(self, path: PagedPath, length):
+        """Positions [sink, Q) of `path` are in the pool once `length` (int or tensor) tokens are cached."""
+        return quantized_end(length, self.sink, self.recent, path.block)
+
+    def protected_row(self, pos: torch.Tensor, ring: int) -> torch.Tensor:
+        """Protected row of positions that are in a path's window (sink rows, then its ring of `ring` rows)."""
+        return torch.where(pos < self.sink, pos, self.sink + (pos - self.sink).remainder(max(ring, 1)))
 
     def pool_rows(self, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Flat pool rows (block * P + offset) of positions `pos` under `block_table` ([..., max_blocks])."""
         blocks = torch.gather(block_table.long(), -1, pos // self.block_size)
         return blocks * self.block_size + pos % self.block_size
 
+    def scale_rows(self, path: PagedPath, block_table: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Flat rows of `path`'s scale/zero pools for positions `pos` (>= sink): a channel format's scales sit
+        in the token's own row; a token-axis block's in the page where the block starts, at row
+        pool_row(block start) // block."""
+        if path.block == 1:
+            return self.pool_rows(block_table, pos)
+        return self.pool_rows(block_table, block_start(pos, self.sink, path.block)) // path.block
+
     # --- writers -------------------------------------------------------------------------------------
 
-    def chunk_rows(self, block_table: torch.Tensor, start: int, n: int) -> ChunkRows:
-        """The rows a chunk of n new tokens at positions [start, start + n) writes and reads (`ChunkRows`).
-        Depends only on positions, the block table, page size, sink and recent: an engine builds it once per
-        chunk and hands it to every layer's cache."""
-        return ChunkRows.build(block_table, start, n, self.block_size, self.sink, self.recent)
+    def chunk_rows(self, block_table: torch.Tensor, start: int, n: int) -> tuple[ChunkRows, ChunkRows]:
+        """The rows a chunk of n new tokens at positions [start, start + n) writes and reads (`ChunkRows`),
+        one per path (content, rope; the same object when their blocks agree). Depends only on positions,
+        the block table, page size, the window and the blocks: an engine builds it once per chunk and hands it
+        to every layer's cache laid out alike."""
+        build = {k: ChunkRows.build(block_table, start, n, self.block_size, self.sink, self.recent, *k)
+                 for k in dict.fromkeys((p.block, ring) for p, _, ring in self.paths())}
+        return tuple(build[p.block, ring] for p, _, ring in self.paths())
 
     def append(self, slot: int, block_table: torch.Tensor, seq_len: int, c: torch.Tensor, k_pe: torch.Tensor,
                checked: bool = True):
         """Append n tokens (c [n, dc], k_pe [n, dr], positions seq_len .. seq_len+n-1) to one sequence.
 
         Host-driven (prefill, tests). block_table [max_blocks] int32 must already cover the new length.
-        Tokens that leave the recent window are quantized (from the ring or straight from the input),
+        What the chunk completes is quantized (old tokens from the ring, new ones straight from the input),
         then the new tokens that stay protected are written to the sink rows or the ring. checked=False skips
         the NaN/range checks (each a host sync; the engine's prefill vouches for its activations).
         """
         if c.shape[0]:
             self.write_chunk(slot, self.chunk_rows(block_table, seq_len, c.shape[0]), c, k_pe, checked)
 
-    def write_chunk(self, slot: int, rows: ChunkRows, c: torch.Tensor, k_pe: torch.Tensor, checked: bool = True,
-                    view_dtype: torch.dtype | None = None) -> ChunkView | None:
-        """`append` with precomputed rows; with `view_dtype`, also return what attention reads (`ChunkView`).
+    def write_chunk(self, slot: int, rows: tuple[ChunkRows, ChunkRows], c: torch.Tensor, k_pe: torch.Tensor,
+                    checked: bool = True, view_dtype: torch.dtype | None = None) -> ChunkView | None:
+        """`append` with precomputed rows (`chunk_rows`); with `view_dtype`, also return what attention reads
+        (`ChunkView`).
 
         The view is built from the values just written (quantized tokens dequantized from the very codes
-        stored), so it equals `gather(slot, table, rows.end, view_dtype)` without reading new tokens back.
+        stored), so it equals `gather(slot, table, end, view_dtype)` without reading new tokens back.
         Every range is a host integer in `rows`: nothing here reads device data unless checked.
         """
-        r, held = rows, self.protected_content.dtype
-        pc, pr = self.protected_content[slot], self.protected_rope[slot]
+        views = [self._write_path(path, prot[slot], r, x, checked, view_dtype)
+                 for (path, prot, _), r, x in zip(self.paths(), rows, (c, k_pe))]
+        if view_dtype is None:
+            return None
+        (vc, bc), (vr, br) = views
+        return ChunkView(vc, vr, bc, br)
+
+    def _write_path(self, path: PagedPath, prot: torch.Tensor, r: ChunkRows, x: torch.Tensor, checked: bool,
+                    dt: torch.dtype | None):
+        """One path of `write_chunk`: prot [W, dim] its protected rows of the slot, x [n, dim] the chunk.
+        Returns (served [end, dim], band) in dt, or None without dt."""
+        held = prot.dtype
         # Old protected rows are read (copied: advanced indexing) before the chunk's new tokens overwrite the
         # ring; sink_old stays a view, as new sink tokens only go to rows [start, sink), past it.
-        sink_old = (pc[: r.sink_old], pr[: r.sink_old]) if r.sink_old else None
-        tail_old = (pc[r.tail_old], pr[r.tail_old]) if r.tail_old is not None else None
+        sink_old = prot[: r.sink_old] if r.sink_old else None
+        tail_old = prot[r.tail_old] if r.tail_old is not None else None
         evicted = packed = None
         if r.evict_dst is not None:
-            fresh = slice(*r.evict_fresh)
-            evicted = (c[fresh], k_pe[fresh])
+            evicted = x[slice(*r.evict_fresh)]
             if r.evict_ring is not None:
-                evicted = (torch.cat([pc[r.evict_ring].to(c.dtype), evicted[0]]),
-                           torch.cat([pr[r.evict_ring].to(k_pe.dtype), evicted[1]]))
-            packed = (self.content.write(r.evict_dst, evicted[0], checked),
-                      self.rope.write(r.evict_dst, evicted[1], checked))
+                evicted = torch.cat([prot[r.evict_ring].to(x.dtype), evicted])
+            packed = path.write(r.evict_dst, evicted, checked, r.evict_scale)
         new_sink = new_tail = None
         if r.new_sink is not None:
             lo, hi = r.new_sink
-            new_sink = (c[: hi - lo].to(held), k_pe[: hi - lo].to(held))
-            pc[lo:hi], pr[lo:hi] = new_sink
+            new_sink = x[: hi - lo].to(held)
+            prot[lo:hi] = new_sink
         if r.new_tail is not None:
-            new_tail = (c[r.new_tail_src :].to(held), k_pe[r.new_tail_src :].to(held))
-            pc[r.new_tail], pr[r.new_tail] = new_tail
-        if view_dtype is None:
+            new_tail = x[r.new_tail_src :].to(held)
+            prot[r.new_tail] = new_tail
+        if dt is None:
             return None
-        dt = view_dtype
         parts = [sink_old, new_sink]
         if r.pool_old is not None:
-            parts.append((self.content.read(r.pool_old, dt), self.rope.read(r.pool_old, dt)))
+            parts.append(path.read(r.pool_old, dt, r.pool_old_scale))
         if packed is not None:
-            parts.append((dequantize(packed[0], self.content.fmt, dt), dequantize(packed[1], self.rope.fmt, dt)))
+            parts.append(dequantize(packed, path.fmt, dt))
         parts += [tail_old, new_tail]
-        parts = [p for p in parts if p is not None]
-        skip = r.band_start - r.evict_start
-        band = (evicted[0][skip:], evicted[1][skip:]) if evicted is not None else (c[:0], k_pe[:0])
-        return ChunkView(torch.cat([p[0].to(dt) for p in parts]), torch.cat([p[1].to(dt) for p in parts]),
-                         band[0].to(held).to(dt), band[1].to(held).to(dt))
+        band = evicted[r.band_start - r.evict_start :] if evicted is not None else x[:0]
+        return torch.cat([p.to(dt) for p in parts if p is not None]), band.to(held).to(dt)
 
     def append_decode(
         self,
@@ -350,35 +423,50 @@ class PagedMLACache:
         """Append one token per sequence for a decode step, batched, with fixed shapes.
 
         slots [B] int, block_tables [B, max_blocks] int32, seq_lens [B] int (lengths *before* the token),
-        c [B, dc], k_pe [B, dr]. The token leaving the window (position L - recent) shares its ring row with
-        the new token, so it is read and quantized first. A sequence with nothing to evict quantizes its new
-        token into the pool row of position max(L - recent, 0) instead: a row no reader looks at yet (a sink
-        position's, or one rewritten with the real token when it leaves the window), which keeps every shape
-        independent of the data. `quantize()` checks its input for NaN and range, which reads it on the host;
-        checked=False skips that: no host sync, so the step can be captured in a CUDA graph (the caller
-        vouches for finite inputs).
+        c [B, dc], k_pe [B, dr]. Per path, what the step completes is quantized first, then the new token goes
+        to its protected row (a sink row, or its ring row: the row of what may have just been quantized).
+        Channel path: the token leaving the window (position L - recent) shares its ring row with the new token
+        when ring = recent, so it is read and quantized first. A sequence with nothing to evict quantizes its
+        new token into the pool row of position max(L - recent, 0) instead: a row no reader looks at yet (a
+        sink position's, or one rewritten with the real token when it leaves the window), which keeps every
+        shape independent of the data. Token-axis path (block g): a sequence whose step completes the block
+        [Q - g, Q) (Q = quantized_end(L + 1)) quantizes it from the ring (with recent = 0 the new token is its
+        last); every sequence computes a block, and the others write back what their pool rows hold.
+        `quantize()` checks its input for NaN and range, which reads it on the host; checked=False skips that:
+        no host sync, so the step can be captured in a CUDA graph (the caller vouches for finite inputs).
         """
         L, slots = seq_lens.long(), slots.long()
-        if self.recent:
-            ev = L - self.recent
-            evict = (ev >= self.sink)[:, None]
-            ring = self.protected_row(ev.clamp_min(self.sink))  # the new token's row too, when evicting
-            src_c = torch.where(evict, self.protected_content[slots, ring].to(c.dtype), c)
-            src_r = torch.where(evict, self.protected_rope[slots, ring].to(k_pe.dtype), k_pe)
-            qpos = ev.clamp_min(0)
-        else:  # no ring: the new token is quantized at once (into an unread row while it is a sink token)
-            src_c, src_r, qpos = c, k_pe, L
-        dst = self.pool_rows(block_tables, qpos[:, None])[:, 0]
-        self.content.write(dst, src_c, checked)
-        self.rope.write(dst, src_r, checked)
-        if self.window:
-            # The new token is protected unless recent == 0 and it is past the sink; then its row is
-            # rewritten with what it holds.
-            keep = ((L < self.sink) | (self.recent > 0))[:, None]
-            row = self.protected_row(L).clamp_max(self.window - 1)
-            pc, pr = self.protected_content, self.protected_rope
-            pc[slots, row] = torch.where(keep, c.to(pc.dtype), pc[slots, row])
-            pr[slots, row] = torch.where(keep, k_pe.to(pr.dtype), pr[slots, row])
+        for (path, prot, ring), x in zip(self.paths(), (c, k_pe)):
+            if path.block > 1:
+                self._decode_block(path, prot, ring, slots, block_tables, L, x, checked)
+            elif self.recent:
+                ev = L - self.recent
+                evict = (ev >= self.sink)[:, None]
+                row = self.protected_row(ev.clamp_min(self.sink), ring)  # the new token's row too, when evicting
+                src = torch.where(evict, prot[slots, row].to(x.dtype), x)
+                path.write(self.pool_rows(block_tables, ev.clamp_min(0)[:, None])[:, 0], src, checked)
+            else:  # no ring: the new token is quantized at once (into an unread row while it is a sink token)
+                path.write(self.pool_rows(block_tables, L[:, None])[:, 0], x, checked)
+            if prot.shape[1]:
+                # The new token is protected unless there is no ring and it is past the sink; then its row is
+                # rewritten with what it holds.
+                keep = ((L < self.sink) | (ring > 0))[:, None]
+                row = self.protected_row(L, ring).clamp_max(prot.shape[1] - 1)
+                prot[slots, row] = torch.where(keep, x.to(prot.dtype), prot[slots, row])
+
+    def _decode_block(self, path, prot, ring, slots, block_tables, L, x, checked):
+        """append_decode's quantization for a token-axis path (block g > 1), fixed shapes."""
+        g = path.block
+        q = self.quantized_end(path, L + 1)
+        done = q > self.quantized_end(path, L)  # [B]: the step completes block [q - g, q)
+        pos = (q - g)[:, None] + torch.arange(g, device=L.device)  # [B, g]
+        pos = torch.minimum(pos.clamp_min(0), L[:, None])  # in the table; only read where done
+        held = prot[slots[:, None], self.protected_row(pos, ring)].to(x.dtype)
+        src = torch.where((pos == L[:, None])[..., None], x[:, None], held)  # recent = 0: the new token
+        src = torch.where(done[:, None, None], src, 0)  # no NaN checks on rows it does not store
+        path.write(self.pool_rows(block_tables, pos).flatten(), src.flatten(0, 1), checked,
+                   self.scale_rows(path, block_tables, pos[:, :1].clamp_min(self.sink))[:, 0],
+                   keep=done[:, None].expand(-1, g).flatten())
 
     # --- readers (the oracle's view) -----------------------------------------------------------------
 
@@ -386,27 +474,24 @@ class PagedMLACache:
         self, slot: int, block_table: torch.Tensor, seq_len: int, dtype: torch.dtype = torch.float32
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Dequantized cache of one sequence in position order: (c [L, dc], k_pe [L, dr]) in `dtype`.
-        Positions [sink, L - recent) come from the pools, the others from the protected rows; the ranges are
-        computed on the host from seq_len, so nothing reads device data (no syncs)."""
+        Per path, positions [sink, quantized_end(L)) come from the pools, the others from the protected rows;
+        the ranges are computed on the host from seq_len, so nothing reads device data (no syncs)."""
         dev = self.protected_content.device
-        lo, hi = min(self.sink, seq_len), max(self.sink, seq_len - self.recent)
-        parts_c, parts_r = [], []
-        for a, b, pooled in ((0, lo, False), (self.sink, hi, True), (max(hi, lo), seq_len, False)):
-            if b <= a:
-                continue
-            pos = torch.arange(a, b, device=dev)
-            if pooled:
-                rows = self.pool_rows(block_table, pos)
-                parts_c.append(self.content.read(rows, dtype))
-                parts_r.append(self.rope.read(rows, dtype))
-            else:
-                rows = self.protected_row(pos)
-                parts_c.append(self.protected_content[slot, rows].to(dtype))
-                parts_r.append(self.protected_rope[slot, rows].to(dtype))
-        if not parts_c:
-            return (torch.empty(0, self.kv_lora_rank, dtype=dtype, device=dev),
-                    torch.empty(0, self.rope_dim, dtype=dtype, device=dev))
-        return torch.cat(parts_c), torch.cat(parts_r)
+        out = []
+        for path, prot, ring in self.paths():
+            lo, hi = min(self.sink, seq_len), self.quantized_end(path, seq_len)
+            parts = []
+            for a, b, pooled in ((0, lo, False), (self.sink, hi, True), (max(hi, lo), seq_len, False)):
+                if b <= a:
+                    continue
+                pos = torch.arange(a, b, device=dev)
+                if pooled:
+                    rows, srows = self.pool_rows(block_table, pos), self.scale_rows(path, block_table, pos)
+                    parts.append(path.read(rows, dtype, srows))
+                else:
+                    parts.append(prot[slot, self.protected_row(pos, ring)].to(dtype))
+            out.append(torch.cat(parts) if parts else torch.empty(0, path.dim, dtype=dtype, device=dev))
+        return out[0], out[1]
 
 
 def make_block_tables(

@@ -12,7 +12,8 @@ Per layer and path, the token axis is split into three parts, in order:
   recent  the last `CacheConfig.recent` tokens, kept as given.
 A token is quantized as soon as it leaves the recent window, also within one long prefill call. Token-axis
 (KIVI-style) formats quantize blocks of `group` tokens: tokens that left the window wait, as given, in a
-`staging` part between body and recent until a whole block is there (they count in memory_bytes). With
+`staging` part between body and recent until a whole block is there (they count in memory_bytes); the rule,
+shared with the paged cache, is `quantmla.policy.quantized_end`. With
 `CacheConfig.rope_rotation` the RoPE body holds H k_pe (H a randomized Hadamard, applied before quantizing
 and undone after dequantizing: QuaRot's online rotation; sink, staging and recent are not rotated). The body is
 a `Packed` whose fields grow along dim -2 by concatenation (no per-token Python lists):
@@ -46,6 +47,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from quantmla.config import CacheConfig, QuantFormat
+from quantmla.policy import block_of, quantized_end
 from quantmla.quant.formats import Packed, check_finite, dequantize, quantize
 
 
@@ -94,8 +96,7 @@ class PathStore:
 
     @property
     def block(self) -> int:
-        """Tokens quantized together: a token-axis format's block, else 1 (every token on its own)."""
-        return self.fmt.group if self.fmt.axis == "token" else 1
+        return block_of(self.fmt)
 
     @property
     def n_body(self) -> int:
@@ -108,23 +109,22 @@ class PathStore:
         """Add tokens x [B,1,n,D]; quantize whatever leaves the window; return the whole history [B,1,T,D]."""
         if self.fmt.kind != "bf16":
             check_finite(x, self.what)  # fail at the call that brought the NaN, not when it leaves the window
+        length = len(self) + x.shape[-2]
         take = min(x.shape[-2], config.sink - self.sink.shape[-2])
         if take > 0:
             self.sink = torch.cat([self.sink, x[..., :take, :]], dim=-2)
             x = x[..., take:, :]
-        recent = torch.cat([self.recent, x], dim=-2)
-        leaving = recent.shape[-2] - config.recent
-        if leaving > 0:
-            staging = torch.cat([self.staging, recent[..., :leaving, :]], dim=-2)
-            ready = staging.shape[-2] - staging.shape[-2] % self.block  # whole blocks only
-            if ready:
-                block = staging[..., :ready, :]
-                if self.rotation is not None:
-                    block = (block.float() @ self.rotation.to(block.device).T).to(block.dtype)
-                self.body = _cat_packed(self.body, quantize(block, self.fmt, self.what))
-            self.staging = staging[..., ready:, :].clone()  # clone: do not keep the larger buffers alive
-            recent = recent[..., leaving:, :].clone()
-        self.recent = recent
+        held = torch.cat([self.staging, self.recent, x], dim=-2)  # unquantized tokens past the sink, in order
+        ready = quantized_end(length, config.sink, config.recent, self.block) - config.sink - self.n_body
+        if ready:
+            block = held[..., :ready, :]
+            if self.rotation is not None:
+                block = (block.float() @ self.rotation.to(block.device).T).to(block.dtype)
+            self.body = _cat_packed(self.body, quantize(block, self.fmt, self.what))
+        keep = min(config.recent, held.shape[-2] - ready)
+        # clone: do not keep the larger buffers alive
+        self.staging = held[..., ready : held.shape[-2] - keep, :].clone()
+        self.recent = held[..., held.shape[-2] - keep :, :].clone()
         return torch.cat([self.sink, self.dequantized_body(), self.staging, self.recent], dim=-2)
 
     def dequantized_body(self) -> torch.Tensor:

@@ -8,10 +8,11 @@ every other module stay its own). What it does depends on the step the runner an
   - `Decode(block_tables, seq_lens, slots, max_seq_len, checked)`: one token per sequence, hidden [B, 1,
     hidden]: `quantmla.decode_step.decode_step` (the Triton kernel on CUDA, the torch oracle elsewhere).
 
-Both see the cache exactly as it is served: a query at position t attends to BF16 keys at the sink
-positions and at (t - recent, t], and to the quantized keys of [sink, t + 1 - recent). So a prompt gives the
-same cache and the same logits whether it is prefilled at once, in chunks, or token by token, and a
-sequence recomputed after a preemption continues exactly as it would have without it.
+Both see the cache exactly as it is served: a query at position t sees key u with each path quantized iff
+t >= stored_from(u) (`quantmla.policy`): channel formats quantize the keys of [sink, t + 1 - recent),
+token-axis formats whole blocks of g tokens (from sink) that have left the window; the other keys it sees in
+BF16. So a prompt gives the same cache and the same logits whether it is prefilled at once, in chunks, or
+token by token, and a sequence recomputed after a preemption continues exactly as it would have without it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from quantmla.cache.paged import ChunkRows, PagedMLACache
 from quantmla.decode_step import decode_step
 from quantmla.mla import project_cache, project_queries
 from quantmla.models.adapters import MLALayer
+from quantmla.policy import NEVER, key_versions, stored_from
 
 
 QUERY_BLOCK = 1024  # prefill queries attend in blocks of this many: each block reads only the keys it can see
@@ -34,73 +36,93 @@ KEY_ALIGN = 64  # keys per block are padded to a multiple of this (masked keys)
 
 @dataclass
 class QueryBlock:
-    """Queries [queries) of a chunk and the keys they can see: served-cache positions [0, served) and band
-    rows [band) (positions band_start + i); `mask` [len(queries), served + len(band)] additive (0 / -inf)."""
+    """Queries [queries) of a chunk and the keys they can see: served-cache positions [0, served) and the
+    band entries `band` [m] int64 (indices into the plan's entries); `mask` [len(queries), served + m]
+    additive (0 / -inf)."""
 
     queries: slice
     served: int
-    band: slice
+    band: torch.Tensor
     mask: torch.Tensor
+
+
+def plan_key(cache: PagedMLACache) -> tuple:
+    """What a chunk's plan depends on besides positions: the window and, per path, block and bf16-ness."""
+    return cache.sink, cache.recent, *((p.block, ring, p.fmt.kind == "bf16") for p, _, ring in cache.paths())
 
 
 @dataclass
 class ChunkPlan:
-    """One chunk's pool rows and query blocks for the caches of one (sink, recent) window."""
+    """One chunk's pool rows, band entries and query blocks for the caches of one layout (`plan_key`)."""
 
-    rows: ChunkRows  # where the chunk's tokens go (`PagedMLACache.chunk_rows`)
+    rows: tuple[ChunkRows, ChunkRows]  # where the chunk's tokens go (`PagedMLACache.chunk_rows`)
+    entry_c: torch.Tensor  # [E] int64: row of each band entry's content in served ++ band_c (`ChunkView`)
+    entry_r: torch.Tensor  # [E] int64: its rope in served ++ band_r
     blocks: list[QueryBlock]
 
     @classmethod
     def build(cls, cache: PagedMLACache, block_table: torch.Tensor, start: int, n: int, dtype: torch.dtype,
               query_block: int | None = None) -> ChunkPlan:
-        """block_table [max_blocks] int32 covers start + n tokens; `cache` any layer's with this window.
+        """block_table [max_blocks] int32 covers start + n tokens; `cache` any layer's with this layout.
 
-        Query t sees served key u if u <= t and u is a sink or recent key of the served cache or one it sees
-        quantized (u < t + 1 - recent); it sees band key u if t + 1 - recent <= u <= t. Blocking the queries
-        keeps the keys of each block to those it can see: about half the causal square, and only ~block +
-        recent band keys, instead of every query against the served cache and the whole band."""
+        Query t sees key u <= t with each path stored iff t >= stored_from(u) (`quantmla.policy`, the
+        rule of the serving eval). The served cache after the chunk holds every key in the version the
+        chunk's last query sees; it serves query t iff t is past the first query that sees that version. Every
+        other version some query of the chunk sees (`key_versions`) is a band entry, seen by its queries
+        [first, end): its content and rope come from the served cache where that holds them (stored, or not
+        yet quantized; a bf16 path's pool holds its BF16 values) and from the path's band otherwise. The
+        versions are positions only, computed on the host. Blocking the queries keeps the keys of each block
+        to those it can see: about half the causal square, and only ~block + window band entries."""
         query_block = query_block or QUERY_BLOCK
         rows = cache.chunk_rows(block_table, start, n)
-        sink, recent, q_end, dev = cache.sink, cache.recent, rows.q_end, block_table.device
+        end, dev = start + n, block_table.device
+        paths = (cache.content, cache.rope)
+        sf = [stored_from(p.fmt, cache.sink, cache.recent, end) for p in paths]
+        key, cs, rs, first, last = key_versions(*sf, start, end)
+        band = last < end  # versions the chunk's last query no longer sees
+        key, cs, rs, first, last = (x[band] for x in (key, cs, rs, first, last))
+        entries = []
+        for path, r, stored in zip(paths, rows, (cs, rs)):
+            served = stored | (key >= r.q_end) | (path.fmt.kind == "bf16")
+            entries.append(torch.where(served, key, end + key - r.band_start).to(dev))
+        u = torch.arange(end)
+        served_from = u
+        for s in sf:  # the first query that sees the served version
+            served_from = torch.where(s < end, torch.maximum(served_from, s), served_from)
+        served_from = served_from.to(dev)
         blocks = []
-        for lo in range(start, rows.end, query_block):
-            hi = min(lo + query_block, rows.end)
-            b_lo, b_hi = max(rows.band_start, lo + 1 - recent), min(q_end, hi)
-            if b_hi <= b_lo:
-                b_lo = b_hi = rows.band_start
+        for lo in range(start, end, query_block):
+            hi = min(lo + query_block, end)
+            sel = torch.nonzero(torch.clamp(first, min=lo) < torch.clamp(last, max=hi)).flatten()
             # Pad the block's keys to a multiple of KEY_ALIGN with keys it does not see (later served ones,
-            # band ones out of reach): aligned key counts and mask rows keep the attention kernels fast.
-            served_hi = min(rows.end, hi + (-(hi + b_hi - b_lo)) % KEY_ALIGN)
-            need = (-(served_hi + b_hi - b_lo)) % KEY_ALIGN
-            take = min(need, b_lo - rows.band_start)
-            b_lo, need = b_lo - take, need - take
-            b_hi += min(need, q_end - b_hi)
+            # repeats of an entry): aligned key counts and mask rows keep the attention kernels fast.
+            served_hi = min(end, hi + (-(hi + len(sel))) % KEY_ALIGN)
+            pad = (-(served_hi + len(sel))) % KEY_ALIGN if len(key) else 0
+            f, e = first[sel], last[sel]
+            sel = torch.cat([sel, sel.new_zeros(pad)])
+            f, e = torch.cat([f, f.new_full((pad,), NEVER)]).to(dev), torch.cat([e, e.new_zeros(pad)]).to(dev)
             t = torch.arange(lo, hi, device=dev)[:, None]
-            u = torch.arange(served_hi, device=dev)[None]
-            band = torch.arange(b_lo, b_hi, device=dev)[None]
-            served = (u <= t) & ((u < sink) | (u < t + 1 - recent) | (u >= q_end) | (recent == 0))
-            seen = torch.cat([served, (band <= t) & (band >= t + 1 - recent)], dim=1)
+            seen = torch.cat([served_from[None, :served_hi] <= t, (f[None] <= t) & (t < e[None])], dim=1)
             mask = torch.zeros(seen.shape, dtype=dtype, device=dev).masked_fill_(~seen, float("-inf"))
-            off = rows.band_start
-            blocks.append(QueryBlock(slice(lo - start, hi - start), served_hi, slice(b_lo - off, b_hi - off), mask))
-        return cls(rows, blocks)
+            blocks.append(QueryBlock(slice(lo - start, hi - start), served_hi, sel.to(dev), mask))
+        return cls(rows, entries[0], entries[1], blocks)
 
 
 @dataclass
 class Prefill:
     """One chunk of one sequence, positions [start, start + n): its plans, built once per chunk and shared by
-    every layer with the same window (a layer whose two formats are bf16 keeps no BF16 window: (0, 0))."""
+    every layer with the same layout (`plan_key`; a layer whose two formats are bf16 keeps no BF16 window)."""
 
     slot: int
-    plans: dict[tuple[int, int], ChunkPlan]  # by (sink, recent)
+    plans: dict[tuple, ChunkPlan]  # by plan_key
 
     @classmethod
     def plan(cls, caches: list[PagedMLACache], slot: int, block_table: torch.Tensor, start: int, n: int,
              dtype: torch.dtype) -> Prefill:
-        plans: dict[tuple[int, int], ChunkPlan] = {}
+        plans: dict[tuple, ChunkPlan] = {}
         for cache in caches:
-            if (cache.sink, cache.recent) not in plans:
-                plans[cache.sink, cache.recent] = ChunkPlan.build(cache, block_table, start, n, dtype)
+            if plan_key(cache) not in plans:
+                plans[plan_key(cache)] = ChunkPlan.build(cache, block_table, start, n, dtype)
         return cls(slot, plans)
 
 
@@ -119,30 +141,38 @@ class StepContext:
     current: Prefill | Decode | None = None
 
 
+def _rows(served: torch.Tensor, band: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """Rows idx of served ++ band, without building it."""
+    if not band.shape[0]:
+        return served[idx]
+    n = served.shape[0]
+    return torch.where((idx >= n)[:, None], band[(idx - n).clamp_min(0)], served[idx.clamp_max(n - 1)])
+
+
 @torch.no_grad()
 def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hidden: torch.Tensor,
                       position_embeddings, ctx: Prefill) -> torch.Tensor:
     """Write the chunk's (c, k_pe) into the pool and return the attention output [1, n, hidden].
 
-    Keys come in two sets, each position at most once per query: the cache as served after the chunk
-    (`write_chunk`'s view: quantized body, BF16 sink and recent rows), and the band of positions that the
-    served cache has quantized but a query of the chunk still sees in BF16 (those within `recent` of it).
+    Keys come in two sets, each (position, version) at most once per query: the cache as served after the
+    chunk (`write_chunk`'s view: quantized body, BF16 sink and ring rows), and the band entries: versions of
+    positions a query of the chunk sees with fewer paths quantized than the served cache (`ChunkPlan`).
     Per block of queries (`ChunkPlan.blocks`), a mask picks for query t each key from the right set and one
     `scaled_dot_product_attention` over the keys the block can see does the rest (expanded K/V, as the
     model's own prefill).
     """
     c, k_pe = (x[0] for x in project_cache(attn, layer, hidden, position_embeddings))
-    plan = ctx.plans[cache.sink, cache.recent]
+    plan = ctx.plans[plan_key(cache)]
     view = cache.write_chunk(ctx.slot, plan.rows, c, k_pe, checked=False, view_dtype=hidden.dtype)
     served = view.c.shape[0]
-    # Keys in one buffer: served positions, a gap as long as the longest block band, then the chunk's band.
-    # Blocks run last to first and each copies its band just past the served keys it reads (over served
+    # Keys in one buffer: served positions, a gap as long as the longest block band, then the band entries.
+    # Blocks run last to first and each copies its entries just past the served keys it reads (over served
     # keys only later blocks read), so a block's keys are one prefix of the buffer: no per-block K/V copies.
-    gap = max(blk.band.stop - blk.band.start for blk in plan.blocks)
+    gap = max(len(blk.band) for blk in plan.blocks)
     all_c, all_r = view.c, view.k_pe
     if gap:
-        all_c = torch.cat([all_c, view.band_c.new_zeros(gap, all_c.shape[1]), view.band_c])
-        all_r = torch.cat([all_r, view.band_r.new_zeros(gap, all_r.shape[1]), view.band_r])
+        all_c = torch.cat([all_c, all_c.new_zeros(gap, all_c.shape[1]), _rows(view.c, view.band_c, plan.entry_c)])
+        all_r = torch.cat([all_r, all_r.new_zeros(gap, all_r.shape[1]), _rows(view.k_pe, view.band_r, plan.entry_r)])
     q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
     q = torch.cat([q_nope, q_pe], dim=-1)
     kv = attn.kv_b_proj(all_c).view(-1, layer.num_heads, layer.nope_dim + layer.v_dim).transpose(0, 1)
@@ -150,9 +180,9 @@ def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hi
     k = torch.cat([k_nope, all_r[None].expand(layer.num_heads, -1, -1)], dim=-1)
     outs = []
     for blk in reversed(plan.blocks):
-        n_band = blk.band.stop - blk.band.start
+        n_band = len(blk.band)
         if n_band:
-            src = slice(served + gap + blk.band.start, served + gap + blk.band.stop)
+            src = served + gap + blk.band
             k[:, blk.served : blk.served + n_band] = k[:, src]
             v[:, blk.served : blk.served + n_band] = v[:, src]
         keys = slice(0, blk.served + n_band)

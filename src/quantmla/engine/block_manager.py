@@ -7,7 +7,9 @@ Block `num_blocks` and slot `max_num_seqs` exist in the pools but are never hand
 CUDA-graph batch write there.
 
 Sizing (`PoolLayout`): one page costs `page_bytes` (all layers: body bytes of `block_size` quantized tokens),
-one slot `slot_bytes` (all layers: sink + recent BF16 rows of content and RoPE). From a byte budget:
+one slot `slot_bytes` (all layers: the sink + ring BF16 rows of content and RoPE; ring = recent, or recent +
+block - 1 with a token-axis path, `PagedMLACache.window`). Both are the allocated tensors' exact bytes
+(`PagedMLACache.page_bytes`: token-axis scales per block of a page included). From a byte budget:
 num_blocks = (budget - (max_num_seqs + 1) * slot_bytes) // page_bytes - 1.
 """
 
@@ -41,7 +43,7 @@ class PoolLayout:
             cfg = config.at(layer.cache_idx).fit(layer.kv_lora_rank, layer.rope_dim)  # per-layer formats
             probe = PagedMLACache.allocate(cfg, layer.kv_lora_rank, layer.rope_dim, 1, 1, block_size, "meta",
                                            dtype=dtype)  # fmt: skip
-            page += probe.body_bytes_per_token * block_size
+            page += probe.page_bytes
             slot += probe.protected_content[0].nbytes + probe.protected_rope[0].nbytes
         return cls(page, slot, block_size)
 

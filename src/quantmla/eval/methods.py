@@ -97,7 +97,7 @@ METHODS: dict[str, Callable[[nn.Module, MethodArgs], tuple[nn.Module, CacheConfi
 }
 
 
-BUDGETED = ("quantmla", "quantmla-t")  # the methods that read MethodArgs.budget
+BUDGETED = ("quantmla",)  # the methods that read MethodArgs.budget
 
 
 def check_method(name: str, args: MethodArgs) -> None:
@@ -105,7 +105,7 @@ def check_method(name: str, args: MethodArgs) -> None:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
     if args.budget is not None and name not in BUDGETED:
-        raise ValueError(f"method {name!r} takes no byte budget; {' and '.join(BUDGETED)} do "
+        raise ValueError(f"method {name!r} takes no byte budget; only {', '.join(BUDGETED)} does "
                          f"(e.g. quantmla@budget={args.budget})")
 
 

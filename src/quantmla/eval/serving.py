@@ -4,8 +4,9 @@ Serving semantics (those of the engine's prefill and decode, `quantmla.engine.at
 t sees key p <= t in BF16 (as computed, in the model's dtype) if p < sink or p >= t + 1 - recent, otherwise
 as stored: quantized with the path's format, then dequantized. A token-axis (KIVI-style) format quantizes a
 token only once its whole block of `group` tokens (blocks counted from `sink`) has left the window, so query
-t sees p stored iff p >= sink and block_end(p) <= t + 1 - recent. Content and RoPE paths decide separately
-(their formats may differ), per layer (`CacheConfig.at`). A token's stored value does not depend on the query:
+t sees p stored iff p >= sink and block_end(p) <= t + 1 - recent (the rule of `quantmla.policy`,
+`stored_from`). Content and RoPE paths decide separately (their formats may differ), per layer
+(`CacheConfig.at`). A token's stored value does not depend on the query:
 it is what `PathStore` holds for it (formats, clipping, `rope_rotation` as the cache does them); the query
 only decides which of the two versions it sees. For channel formats this is exactly what feeding the window
 token by token through a `QuantMLACache` gives; for token-axis formats its staging gives the block rule.
@@ -32,22 +33,11 @@ from quantmla.cache.quant_cache import PathStore, online_rotation
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.mla import project_cache, project_queries
 from quantmla.models.adapters import MLALayer, attention_module, describe, register_module_attention
+from quantmla.policy import key_versions, stored_from
 
 ATTENTION_NAME = register_module_attention("quantmla_serving", "ServingAttention")
 QUERY_BLOCK = 1024  # queries per attention call
 KEY_ALIGN = 64  # keys per call padded to a multiple of this (masked): aligned masks keep the kernels fast
-NEVER = 1 << 62  # "no query sees this key stored"
-
-
-def stored_from(fmt: QuantFormat, sink: int, recent: int, length: int, device=None) -> torch.Tensor:
-    """[length] int64: for each key p, the first query position that sees it stored (NEVER for sink tokens
-    and bf16 paths, whose stored value is the BF16 one)."""
-    p = torch.arange(length, device=device)
-    if fmt.kind == "bf16":
-        return torch.full_like(p, NEVER)
-    block = fmt.group if fmt.axis == "token" else 1
-    end = sink + ((p - sink).clamp_min(0) // block + 1) * block  # end of p's block
-    return torch.where(p < sink, NEVER, end - 1 + recent)
 
 
 def stored_values(x: torch.Tensor, fmt: QuantFormat, config: CacheConfig, what: str,
@@ -56,23 +46,6 @@ def stored_values(x: torch.Tensor, fmt: QuantFormat, config: CacheConfig, what: 
     query of the window sees stored are left as given."""
     store = PathStore.empty(x[:, None], fmt, what, rotation)
     return store.append(x[:, None], config)[:, 0]
-
-
-def _key_versions(sc: torch.Tensor, sr: torch.Tensor, lo: int, hi: int):
-    """The keys a block of queries [lo, hi) reads: one entry per (key p < hi, version of (content, rope) some
-    query of the block sees). sc, sr [hi]: first query seeing each path stored. Returns (key, content stored,
-    rope stored, first query, end query) [n] each: query t sees the entry iff first <= t < end."""
-    p = torch.arange(hi, device=sc.device)
-    first_stored, both_stored = torch.minimum(sc, sr), torch.maximum(sc, sr)
-    no, yes = torch.zeros_like(p, dtype=torch.bool), torch.ones_like(p, dtype=torch.bool)
-    versions = [(no, no, p, first_stored),  # both BF16: from p itself until the first path is stored
-                (sc < sr, sr < sc, first_stored, both_stored),  # one path stored (empty where sc == sr)
-                (yes, yes, both_stored, torch.full_like(p, NEVER))]  # both stored
-    out = []
-    for c, r, a, b in versions:
-        keep = torch.maximum(a, torch.full_like(a, lo)) < torch.minimum(b, torch.full_like(b, hi))
-        out.append([t[keep] for t in (p, c, r, a, b)])
-    return [torch.cat(parts) for parts in zip(*out)]
 
 
 def serving_attention(attn: nn.Module, layer: MLALayer, config: CacheConfig, hidden: torch.Tensor,
@@ -96,7 +69,7 @@ def serving_attention(attn: nn.Module, layer: MLALayer, config: CacheConfig, hid
     outs = []
     for lo in range(0, L, query_block):
         hi = min(lo + query_block, L)
-        key, cs, rs, first, end = _key_versions(sc[:hi], sr[:hi], lo, hi)
+        key, cs, rs, first, end = key_versions(sc[:hi], sr[:hi], lo, hi)
         pad = -key.numel() % KEY_ALIGN
         if pad:  # keys no query sees
             key, cs, rs = (torch.cat([t, t.new_zeros(pad)]) for t in (key, cs, rs))

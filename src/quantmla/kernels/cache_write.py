@@ -37,7 +37,10 @@ graph. Byte-identical for finite inputs (NaN or inf gives garbage codes in both 
 the same garbage). Programs run concurrently, so sequences must have distinct slots and blocks (as the
 engine's do; padded rows of a CUDA-graph batch all write the scratch slot and block: garbage either way).
 `checked=True`, or a CPU tensor outside the interpreter, runs the torch writer instead (its checks read
-the data on the host anyway). The kernel needs power-of-two dims and groups (as `mla_decode` does).
+the data on the host anyway), and so does a cache with a token-axis path: the kernel writes channel-grouped
+tokens one at a time, not a token-axis block (the torch writer's block step has fixed shapes and no host
+syncs, so it is captured in CUDA graphs as well). The kernel needs power-of-two dims and groups (as
+`mla_decode` does).
 """
 
 from __future__ import annotations
@@ -219,8 +222,10 @@ def append_decode_fused(
     checked: bool = False,
 ) -> None:
     """`cache.append_decode(slots, block_tables, seq_lens, c, k_pe, checked=False)` in one kernel launch
-    (see the module docstring). checked=True, or CPU tensors outside TRITON_INTERPRET=1, run the torch writer."""
-    if checked or triton is None or not (c.is_cuda or _interpreting()):
+    (see the module docstring). checked=True, CPU tensors outside TRITON_INTERPRET=1, or a cache with a
+    token-axis path (whose blocks the kernel does not write) run the torch writer."""
+    token_axis = cache.content.block > 1 or cache.rope.block > 1
+    if checked or token_axis or triton is None or not (c.is_cuda or _interpreting()):
         cache.append_decode(slots, block_tables, seq_lens, c, k_pe, checked=checked)
         return
     B = c.shape[0]

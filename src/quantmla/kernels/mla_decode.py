@@ -6,9 +6,10 @@ Math (per sequence b, head h, over the L cached tokens u; see `quantmla.mla`):
     out[h]  = sum_u softmax(s[h])_u c[u]                 (latent space, kv_lora_rank dims)
     lse[h]  = logsumexp_u s[h, u]                        (natural log; -inf for an empty sequence)
 The cache is a `PagedMLACache` (quantmla.cache.paged): quantized body tokens in pools (int8/int4/int2 with
-fp16 scale + zero per group, fp8 e4m3 with fp32 scale per group, or bf16), protected sink + recent tokens in
-BF16 rows. Both kinds of token go through the same online softmax. kv_lora_rank, rope dims and group sizes
-are compile-time constants (powers of two): 512/64 and MiniCPM3's 256/32 are the same code.
+fp16 scale + zero per group of channels, or per channel and block of g tokens for token-axis (KIVI-style)
+formats; fp8 e4m3 with fp32 scale per group; or bf16), protected sink + ring tokens in BF16 rows. Both kinds
+of token go through the same online softmax. kv_lora_rank, rope dims and group sizes are compile-time
+constants (powers of two): 512/64 and MiniCPM3's 256/32 are the same code.
 
 Entry point: `mla_decode(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale,
 max_seq_len=..., out_dtype=...)` -> (out [B, H, dc], lse [B, H]); `decode` is the same function.
@@ -21,10 +22,20 @@ Kernel design (flash-decoding):
     entry per tile, consecutive pool rows, so addresses are a scalar base plus fixed offsets), then the
     protected rows; the tiles are cut into `num_splits` equal runs. Each program writes its normalized
     partial output and log-sum-exp, `_combine_kernel` merges them (skipped when num_splits == 1);
+  - which positions each path holds quantized is `quantmla.policy`'s rule (positions [sink, q) with
+    q = quantized_end(L), per path: a token-axis path quantizes whole blocks of g tokens, so its q trails a
+    channel path's by up to g - 1). Body tiles cover [sink, min(q_c, q_r)); the protected tiles cover the
+    sink positions and [min(q_c, q_r), L) in position order, each path read from its ring (recent + g - 1
+    rows for a token-axis path, `PagedMLACache.rings`) where the position is past its own q and, when the
+    two paths' blocks differ, from its pool where not;
+  - token-axis scales: a body tile's rows [BLOCK_N] each read their block's scale row (the block's first
+    position's pool row // g, in the page where the block starts: `PagedMLACache.scale_rows`), [BLOCK_N]
+    x [dim] broadcast over the codes; a tile of BLOCK_N > g tokens spans several blocks;
   - dequantization happens on the tile in registers. On the GPU, integer codes go through inline PTX
     (`_int_dequant_ptx`): bit tricks put each code into a bf16 mantissa and bf16x2 fmas apply scale and
-    zero, 2 instructions per value and no int->float conversions. Elsewhere (the CPU interpreter)
-    the same math is plain Triton. Nibbles are unpacked with `tl.join` + `tl.reshape`, which keeps both
+    zero, 2 instructions per value and no int->float conversions (token-axis: one call per code of a byte,
+    each with its channels' scales, `_split_codes`). Elsewhere (the CPU interpreter) the same math is
+    plain Triton. Nibbles are unpacked with `tl.join` + `tl.reshape`, which keeps both
     nibbles of a byte in one thread: no shuffles; the scale/zero broadcast happens in a [BLOCK_N, groups,
     bytes-per-group] view of the tile;
   - every shape is fixed by the launcher's arguments (batch, heads, max_seq_len), lengths are read on the
@@ -141,8 +152,10 @@ def default_config(cache: PagedMLACache, num_heads: int) -> KernelConfig:
     return KernelConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
 
 
-def _int_dequant_ptx(bits: int) -> str:
-    """PTX for tl.inline_asm_elementwise (pack=4): 4 code bytes -> 8/bits bf16 tensors of 4 values each.
+def _int_dequant_ptx(bits: int, code: int | None = None) -> str:
+    """PTX for tl.inline_asm_elementwise (pack=4): 4 code bytes -> 8/bits bf16 tensors of 4 values each
+    (with `code` = k: only the tensor of code k of each byte, its own scale and zero operands: token-axis
+    scales differ per channel, so per code of a byte).
 
     Operands: outputs $0.. (per output tensor k, two b32 registers: elements (0,1) and (2,3)), then the code
     word (byte e = element e), then bf16x2 pairs of the scale's high part, its low part (scale - high) and
@@ -153,7 +166,8 @@ def _int_dequant_ptx(bits: int) -> str:
     (mid = 2^(bits-1)) keeps the bf16 rounding of the zero small: the group minimum is a large number, the
     group centre a small one. 2 codes per 4 instructions, no int->float conversions.
     """
-    n_out = 8 // bits
+    codes = range(8 // bits) if code is None else [code]
+    n_out = len(codes)
     mask = (1 << bits) - 1
     mid = 1 << (bits - 1)
     neg = 0xC300 | mid  # bf16 of -(128 + mid): its ulp is 1, so mid lands in the low mantissa bits
@@ -165,7 +179,7 @@ def _int_dequant_ptx(bits: int) -> str:
         f"mov.b32 m128, 0x{neg:04X}{neg:04X};",
         f"prmt.b32 y, {w}, 0, 0x3120;",
     ]
-    for k in range(n_out):
+    for o, k in enumerate(codes):
         for half, (sh, sl, z) in enumerate(((sh0, sl0, z0), (sh1, sl1, z1))):
             shift = 8 * half + bits * k  # code k of byte pair (b0,b1) at bit 0, of (b2,b3) at bit 8
             src = "y"
@@ -175,7 +189,7 @@ def _int_dequant_ptx(bits: int) -> str:
             lines.append(f"lop3.b32 t, {src}, 0x{mask:04X}{mask:04X}, 0x43004300, 0xEA;")  # (x & m) | magic
             lines.append("fma.rn.bf16x2 t, t, one, m128;")
             lines.append(f"fma.rn.bf16x2 u, t, {sh}, {z};")
-            lines.append(f"fma.rn.bf16x2 ${2 * k + half}, t, {sl}, u;")
+            lines.append(f"fma.rn.bf16x2 ${2 * o + half}, t, {sl}, u;")
     lines.append("}")
     return "\n".join(lines)
 
@@ -185,6 +199,10 @@ if triton is not None:
     _PTX_INT2 = tl.constexpr(_int_dequant_ptx(2))
     _CONSTRAINTS_INT4 = tl.constexpr("=r," * 4 + "r,r,r,r,r,r,r")
     _CONSTRAINTS_INT2 = tl.constexpr("=r," * 8 + "r,r,r,r,r,r,r")
+    # Token-axis: one call per code of a byte, each with that code's channels' scale and zero.
+    _PTX_INT4_0, _PTX_INT4_1 = (tl.constexpr(_int_dequant_ptx(4, k)) for k in range(2))
+    _PTX_INT2_0, _PTX_INT2_1, _PTX_INT2_2, _PTX_INT2_3 = (tl.constexpr(_int_dequant_ptx(2, k)) for k in range(4))
+    _CONSTRAINTS_ONE = tl.constexpr("=r," * 2 + "r,r,r,r,r,r,r")
 
     @triton.jit
     def _opaque(v):
@@ -193,28 +211,55 @@ if triton is not None:
         return tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.bfloat16, is_pure=False, pack=2)
 
     @triton.jit
+    def _split_codes(x, BITS: tl.constexpr, BLOCK_N: tl.constexpr, GB: tl.constexpr):
+        """x [BLOCK_N, DIM] per channel -> one [BLOCK_N, 1, GB] tensor per code of a byte (channel
+        (8 / BITS) * i + k of byte i for code k), in code order, as the token-axis PTX calls take them."""
+        if BITS == 4:
+            return tl.split(tl.reshape(x, [BLOCK_N, 1, GB, 2]))
+        else:
+            even, odd = tl.split(tl.reshape(x, [BLOCK_N, 1, GB, 2, 2]))  # code 2a + b: split b, then a
+            c0, c2 = tl.split(even)
+            c1, c3 = tl.split(odd)
+            return c0, c1, c2, c3
+
+    @triton.jit
+    def _scale_rows(bt_row, pos, rows, valid, SINK: tl.constexpr, PAGE: tl.constexpr, BLK: tl.constexpr):
+        """Flat scale/zero rows of positions pos [BLOCK_N] (pool rows `rows`): the rows themselves for channel
+        formats (BLK = 1); for a token-axis path (block BLK) the pool row of the block's first position // BLK
+        (`PagedMLACache.scale_rows`; a block that began in the previous page keeps its scales there)."""
+        if BLK == 1:
+            return rows
+        else:
+            s = SINK + (tl.maximum(pos, SINK) - SINK) // BLK * BLK
+            page = tl.load(bt_row + s // PAGE, mask=valid, other=0).to(tl.int64)
+            return (page * PAGE + s % PAGE) // BLK
+
+    @triton.jit
     def _load_tile(
         codes_ptr,
         scale_ptr,
         zero_ptr,
-        row0,
+        rows,
+        sz_rows,
         valid,
         DIM: tl.constexpr,
         KIND: tl.constexpr,
         BITS: tl.constexpr,
         GROUP: tl.constexpr,
+        TOKEN: tl.constexpr,
         SCALED: tl.constexpr,
         BLOCK_N: tl.constexpr,
         ASM: tl.constexpr,
         ROW: tl.constexpr,
         SZ_ROW: tl.constexpr,
     ):
-        """BLOCK_N consecutive pool rows from row0 (int64) -> bf16 [BLOCK_N, DIM]; invalid rows read as 0.
-        ROW / SZ_ROW: elements from one row to the next in the codes / scale and zero pools (their widths for
-        contiguous pools; more where the pools are fields of one packed row, as in vLLM's cache tensor).
-        Consecutive rows keep the addresses a scalar base plus loop-invariant offsets. ASM: integer codes
-        are dequantized by `_int_dequant_ptx` (GPU only; the interpreter runs the plain-Triton path)."""
-        rows = row0 + tl.arange(0, BLOCK_N)
+        """Pool rows `rows` [BLOCK_N] (int64) -> bf16 [BLOCK_N, DIM]; invalid rows read as 0. Scale/zero come from
+        rows `sz_rows` [BLOCK_N] of their pools: one per group of GROUP channels, or with TOKEN (a token-axis
+        path; GROUP = DIM) one per channel. ROW / SZ_ROW: elements from one row to the next in the codes /
+        scale and zero pools (their widths for contiguous pools; more where the pools are fields of one
+        packed row, as in vLLM's cache tensor). Rows computed as row0 + arange keep the addresses a scalar
+        base plus loop-invariant offsets. ASM: integer codes are dequantized by `_int_dequant_ptx` (GPU only;
+        the interpreter runs the plain-Triton path)."""
         if KIND == 0:  # bf16 values, used as they are
             d = tl.arange(0, DIM)
             x = tl.load(codes_ptr + rows[:, None] * ROW + d[None, :], mask=valid[:, None], other=0.0)
@@ -227,7 +272,10 @@ if triton is not None:
             j = tl.arange(0, GB)
             ptr = codes_ptr + rows[:, None, None] * ROW + g[None, :, None] * GB + j[None, None, :]
             w = tl.load(ptr, mask=valid[:, None, None], other=0)  # uint8 [BLOCK_N, NG, GB]
-            sg = rows[:, None] * SZ_ROW + g[None, :]
+            if TOKEN:  # one scale and zero per channel: [BLOCK_N, DIM]
+                sg = sz_rows[:, None] * SZ_ROW + tl.arange(0, DIM)[None, :]
+            else:
+                sg = sz_rows[:, None] * SZ_ROW + g[None, :]
             if KIND == 1:  # fp8: e4m3 bit patterns times an fp32 group scale
                 v = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
                 if SCALED:
@@ -237,22 +285,48 @@ if triton is not None:
                 sc = tl.load(scale_ptr + sg, mask=valid[:, None], other=0.0).to(tl.float32)
                 zr = tl.load(zero_ptr + sg, mask=valid[:, None], other=0.0).to(tl.float32)
                 if ASM and BITS < 8:  # the PTX takes code - mid, so its zero is the group centre z + mid * scale
-                    zc = (zr + (1 << (BITS - 1)) * sc).to(tl.bfloat16)[:, :, None]
+                    zc = (zr + (1 << (BITS - 1)) * sc).to(tl.bfloat16)
                     s_hi = sc.to(tl.bfloat16)
-                    s_lo = (sc - s_hi.to(tl.float32)).to(tl.bfloat16)[:, :, None]
-                    s_hi = s_hi[:, :, None]
-                    if BITS == 4:  # byte i holds channels 2i (low nibble) and 2i+1 (high nibble)
-                        lo, hi = tl.inline_asm_elementwise(
-                            _PTX_INT4, _CONSTRAINTS_INT4, [w, s_hi, s_lo, zc],
-                            dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
-                        )  # fmt: skip
-                        v = tl.join(lo, hi)
-                    else:  # byte i holds channel 4i+k in bits 2k..2k+1
-                        c0, c1, c2, c3 = tl.inline_asm_elementwise(
-                            _PTX_INT2, _CONSTRAINTS_INT2, [w, s_hi, s_lo, zc],
-                            dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
-                        )  # fmt: skip
-                        v = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+                    s_lo = (sc - s_hi.to(tl.float32)).to(tl.bfloat16)
+                    if TOKEN:  # per channel, so per code of a byte: one call per code, each its own operands
+                        if BITS == 4:  # byte i holds channels 2i (low nibble) and 2i+1 (high nibble)
+                            h0, h1 = _split_codes(s_hi, BITS, BLOCK_N, GB)
+                            l0, l1 = _split_codes(s_lo, BITS, BLOCK_N, GB)
+                            z0, z1 = _split_codes(zc, BITS, BLOCK_N, GB)
+                            lo = tl.inline_asm_elementwise(_PTX_INT4_0, _CONSTRAINTS_ONE, [w, h0, l0, z0],
+                                                           dtype=tl.bfloat16, is_pure=True, pack=4)
+                            hi = tl.inline_asm_elementwise(_PTX_INT4_1, _CONSTRAINTS_ONE, [w, h1, l1, z1],
+                                                           dtype=tl.bfloat16, is_pure=True, pack=4)
+                            v = tl.join(lo, hi)
+                        else:  # byte i holds channel 4i+k in bits 2k..2k+1
+                            h0, h1, h2, h3 = _split_codes(s_hi, BITS, BLOCK_N, GB)
+                            l0, l1, l2, l3 = _split_codes(s_lo, BITS, BLOCK_N, GB)
+                            z0, z1, z2, z3 = _split_codes(zc, BITS, BLOCK_N, GB)
+                            c0 = tl.inline_asm_elementwise(_PTX_INT2_0, _CONSTRAINTS_ONE, [w, h0, l0, z0],
+                                                           dtype=tl.bfloat16, is_pure=True, pack=4)
+                            c1 = tl.inline_asm_elementwise(_PTX_INT2_1, _CONSTRAINTS_ONE, [w, h1, l1, z1],
+                                                           dtype=tl.bfloat16, is_pure=True, pack=4)
+                            c2 = tl.inline_asm_elementwise(_PTX_INT2_2, _CONSTRAINTS_ONE, [w, h2, l2, z2],
+                                                           dtype=tl.bfloat16, is_pure=True, pack=4)
+                            c3 = tl.inline_asm_elementwise(_PTX_INT2_3, _CONSTRAINTS_ONE, [w, h3, l3, z3],
+                                                           dtype=tl.bfloat16, is_pure=True, pack=4)
+                            v = tl.join(tl.join(c0, c2), tl.join(c1, c3))
+                    else:
+                        zc = zc[:, :, None]
+                        s_lo = s_lo[:, :, None]
+                        s_hi = s_hi[:, :, None]
+                        if BITS == 4:  # byte i holds channels 2i (low nibble) and 2i+1 (high nibble)
+                            lo, hi = tl.inline_asm_elementwise(
+                                _PTX_INT4, _CONSTRAINTS_INT4, [w, s_hi, s_lo, zc],
+                                dtype=(tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+                            )  # fmt: skip
+                            v = tl.join(lo, hi)
+                        else:  # byte i holds channel 4i+k in bits 2k..2k+1
+                            c0, c1, c2, c3 = tl.inline_asm_elementwise(
+                                _PTX_INT2, _CONSTRAINTS_INT2, [w, s_hi, s_lo, zc],
+                                dtype=(tl.bfloat16, tl.bfloat16, tl.bfloat16, tl.bfloat16), is_pure=True, pack=4,
+                            )  # fmt: skip
+                            v = tl.join(tl.join(c0, c2), tl.join(c1, c3))
                     v = tl.reshape(v, [BLOCK_N, DIM])
                 else:
                     w = w.to(tl.int32)
@@ -263,7 +337,10 @@ if triton is not None:
                         w = tl.reshape(w, [BLOCK_N, NG, GROUP])
                     # 0x4B000000 is 2^23 as fp32: OR-ing a code into its mantissa gives 2^23 + code, exact.
                     f = (w | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0
-                    v = tl.reshape(f * sc[:, :, None] + zr[:, :, None], [BLOCK_N, DIM]).to(tl.bfloat16)
+                    if TOKEN:
+                        v = (tl.reshape(f, [BLOCK_N, DIM]) * sc + zr).to(tl.bfloat16)
+                    else:
+                        v = tl.reshape(f * sc[:, :, None] + zr[:, :, None], [BLOCK_N, DIM]).to(tl.bfloat16)
             if ASM:
                 v = _opaque(v)
             return v
@@ -316,8 +393,8 @@ if triton is not None:
         rc_ptr,  # rope pool codes / scale / zero
         rs_ptr,
         rz_ptr,
-        pc_ptr,  # protected content bf16 [slots, WINDOW, DC]
-        pr_ptr,  # protected rope bf16 [slots, WINDOW, DR]
+        pc_ptr,  # protected content bf16 [slots, SINK + C_RING, DC]
+        pr_ptr,  # protected rope bf16 [slots, SINK + R_RING, DR]
         bt_ptr,  # block tables int32 [B, bt_stride]
         bt_stride,
         lens_ptr,  # int32 [B]
@@ -341,9 +418,13 @@ if triton is not None:
         R_SCALED: tl.constexpr,
         R_ROW: tl.constexpr,
         R_SZ_ROW: tl.constexpr,
+        C_BLK: tl.constexpr,  # tokens per quantized block: 1, or a token-axis format's group
+        R_BLK: tl.constexpr,
         PAGE: tl.constexpr,
         SINK: tl.constexpr,
-        WINDOW: tl.constexpr,
+        RECENT: tl.constexpr,
+        C_RING: tl.constexpr,  # ring rows of each path's protected rows (recent + block - 1)
+        R_RING: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_N: tl.constexpr,
         S_T: tl.constexpr,
@@ -357,13 +438,20 @@ if triton is not None:
         b = tl.program_id(2)
 
         L = tl.load(lens_ptr + b)
+        MIXED: tl.constexpr = C_BLK != R_BLK
+        # Positions [SINK, q_c) / [SINK, q_r) of content / rope are quantized (quantmla.policy's
+        # quantized_end); the body tiles cover [SINK, q_hi), quantized in both paths.
+        q_c = SINK + tl.maximum(L - RECENT - SINK, 0) // C_BLK * C_BLK
+        q_r = SINK + tl.maximum(L - RECENT - SINK, 0) // R_BLK * R_BLK
+        q_hi = tl.minimum(q_c, q_r)
+        n_q = q_hi - SINK
         # Work is counted in tiles of BLOCK_N positions. Body tiles are page-aligned (BLOCK_N divides PAGE),
         # so a tile is BLOCK_N consecutive rows of one pool block; the first and last are partly masked.
-        n_q = tl.maximum(L - WINDOW, 0)  # quantized tokens: positions SINK .. SINK + n_q - 1
-        q_hi = SINK + n_q
         t_lo = SINK // BLOCK_N
         nt_q = tl.where(n_q > 0, tl.cdiv(q_hi, BLOCK_N) - t_lo, 0)
-        nt = nt_q + tl.cdiv(tl.minimum(L, WINDOW), BLOCK_N)
+        n_s = tl.minimum(L, SINK)
+        n_p = n_s + tl.maximum(L - q_hi, 0)  # protected work: the sink positions, then [q_hi, L)
+        nt = nt_q + tl.cdiv(n_p, BLOCK_N)
         per_split = tl.cdiv(nt, num_splits)
         t_start = split * per_split
         t_end = tl.minimum(t_start + per_split, nt)
@@ -393,21 +481,39 @@ if triton is not None:
             pos0 = (t + t_lo) * BLOCK_N
             pos = pos0 + tl.arange(0, BLOCK_N)
             valid = (pos >= SINK) & (pos < q_hi)
-            row0 = tl.load(bt_row + pos0 // PAGE).to(tl.int64) * PAGE + pos0 % PAGE
-            c = _load_tile(cc_ptr, cs_ptr, cz_ptr, row0, valid, DC, C_KIND, C_BITS, C_GROUP, C_SCALED, BLOCK_N, USE_ASM, C_ROW, C_SZ_ROW)
-            r = _load_tile(rc_ptr, rs_ptr, rz_ptr, row0, valid, DR, R_KIND, R_BITS, R_GROUP, R_SCALED, BLOCK_N, USE_ASM, R_ROW, R_SZ_ROW)
+            rows = tl.load(bt_row + pos0 // PAGE).to(tl.int64) * PAGE + pos0 % PAGE + tl.arange(0, BLOCK_N)
+            cs = _scale_rows(bt_row, pos, rows, valid, SINK, PAGE, C_BLK)
+            rs = _scale_rows(bt_row, pos, rows, valid, SINK, PAGE, R_BLK)
+            c = _load_tile(cc_ptr, cs_ptr, cz_ptr, rows, cs, valid, DC, C_KIND, C_BITS, C_GROUP, C_BLK > 1, C_SCALED, BLOCK_N, USE_ASM, C_ROW, C_SZ_ROW)
+            r = _load_tile(rc_ptr, rs_ptr, rz_ptr, rows, rs, valid, DR, R_KIND, R_BITS, R_GROUP, R_BLK > 1, R_SCALED, BLOCK_N, USE_ASM, R_ROW, R_SZ_ROW)
             m_i, l_i, acc = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T, V_T, F32_DOT)
 
-        # Protected BF16 rows (sink + recent ring): the prefix [0, min(L, WINDOW)) of the sequence's slot.
-        if WINDOW > 0:
-            row_base = tl.load(slots_ptr + b).to(tl.int64) * WINDOW
-            n_p = tl.minimum(L, WINDOW)
+        # Protected BF16 rows, in position order: the sink positions, then [q_hi, L) from each path's ring
+        # (row SINK + (p - SINK) % ring). A path reads a position from its ring where it is unquantized in
+        # that path (p >= its q); where the paths' blocks differ (MIXED), positions in [q_hi, q) of the path
+        # that quantized further come from its pool.
+        if SINK + C_RING + R_RING > 0:
+            slot = tl.load(slots_ptr + b).to(tl.int64)
             for t in range(tl.maximum(t_start, nt_q) - nt_q, t_end - nt_q):
-                offs = t * BLOCK_N + tl.arange(0, BLOCK_N)
-                valid = offs < n_p
-                row0 = row_base + t * BLOCK_N
-                c = _load_tile(pc_ptr, pc_ptr, pc_ptr, row0, valid, DC, 0, 16, DC, False, BLOCK_N, USE_ASM, DC, DC)
-                r = _load_tile(pr_ptr, pr_ptr, pr_ptr, row0, valid, DR, 0, 16, DR, False, BLOCK_N, USE_ASM, DR, DR)
+                i = t * BLOCK_N + tl.arange(0, BLOCK_N)
+                valid = i < n_p
+                p = tl.where(i < n_s, i, q_hi + i - n_s)
+                bf_c = valid & ((p < SINK) | (p >= q_c))
+                bf_r = valid & ((p < SINK) | (p >= q_r))
+                rows_c = slot * (SINK + C_RING) + tl.where(p < SINK, p, SINK + (p - SINK) % (C_RING + (C_RING == 0)))
+                rows_r = slot * (SINK + R_RING) + tl.where(p < SINK, p, SINK + (p - SINK) % (R_RING + (R_RING == 0)))
+                c = _load_tile(pc_ptr, pc_ptr, pc_ptr, rows_c, rows_c, bf_c, DC, 0, 16, DC, False, False, BLOCK_N, USE_ASM, DC, DC)
+                r = _load_tile(pr_ptr, pr_ptr, pr_ptr, rows_r, rows_r, bf_r, DR, 0, 16, DR, False, False, BLOCK_N, USE_ASM, DR, DR)
+                if MIXED:
+                    pooled_c = valid & ~bf_c
+                    pooled_r = valid & ~bf_r
+                    prow = tl.load(bt_row + p // PAGE, mask=valid, other=0).to(tl.int64) * PAGE + p % PAGE
+                    cs = _scale_rows(bt_row, p, prow, pooled_c, SINK, PAGE, C_BLK)
+                    rs = _scale_rows(bt_row, p, prow, pooled_r, SINK, PAGE, R_BLK)
+                    c_q = _load_tile(cc_ptr, cs_ptr, cz_ptr, prow, cs, pooled_c, DC, C_KIND, C_BITS, C_GROUP, C_BLK > 1, C_SCALED, BLOCK_N, USE_ASM, C_ROW, C_SZ_ROW)
+                    r_q = _load_tile(rc_ptr, rs_ptr, rz_ptr, prow, rs, pooled_r, DR, R_KIND, R_BITS, R_GROUP, R_BLK > 1, R_SCALED, BLOCK_N, USE_ASM, R_ROW, R_SZ_ROW)
+                    c = tl.where(bf_c[:, None], c, c_q)
+                    r = tl.where(bf_r[:, None], r, r_q)
                 m_i, l_i, acc = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T, V_T, F32_DOT)
 
         # An empty split (or sequence) stores out = 0, lse = -inf; the combine gives it weight 0.
@@ -451,7 +557,7 @@ def _path_args(path: PagedPath) -> tuple[list[torch.Tensor], tuple[int, int, int
     fmt, codes = path.fmt, path.codes
     scale = path.scale if path.scale is not None else codes
     zero = path.zero if path.zero is not None else codes
-    group = fmt.group or path.dim
+    group = path.dim if fmt.axis == "token" else fmt.group or path.dim  # token-axis: codes laid out as one group
     if path.dim & (path.dim - 1) or group & (group - 1):
         raise ValueError(f"the kernel needs power-of-two dims and groups, got dim {path.dim}, group {group}")
     return [codes, scale, zero], (KIND_CODE[fmt.kind], fmt.bits, group, path.scale is not None)
@@ -560,7 +666,7 @@ def mla_decode(
         block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
         H, num_splits, sm_scale * LOG2E,
         dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
-        cache.block_size, cache.sink, cache.window,
+        cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
         cfg.block_h, block_n, cfg.scores_t, cfg.values_t, use_asm, _interpreting(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),

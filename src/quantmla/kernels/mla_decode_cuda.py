@@ -7,7 +7,8 @@ sm_scale -> out [B, H, dc] (out_dtype), lse [B, H] fp32 (natural log, -inf for a
 
 What it takes (`unsupported_reason` says why not, and the Triton kernel then runs):
   - a CUDA device of compute capability >= 8.0 and `nvcc` (PATH, $CUDA_HOME/bin or /usr/local/cuda/bin);
-  - content and rope both int4 or int2 (asymmetric: fp16 scale + zero per group), content group 64, rope group
+  - content and rope both int4 or int2 (asymmetric: fp16 scale + zero per group of channels, not token-axis:
+    `decode_kernel_name` gives those to Triton whatever $QUANTMLA_DECODE_KERNEL says), content group 64, rope group
     a multiple of 32 (int4) or 64 (int2) channels; dc a multiple of 256, dr * bits a multiple of 128;
   - pages of a multiple of 64 tokens; protected rows in bf16;
   - pools of whole contiguous rows (row strides may exceed the width, as in vLLM's packed rows), code rows
@@ -53,6 +54,9 @@ def _int_bits(fmt) -> int | None:
 
 def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | None:
     """None when `mla_decode_cuda` can run this cache on this device, else why not (one sentence)."""
+    if cache.content.block > 1 or cache.rope.block > 1:
+        return (f"token-axis formats are not supported (got {cache.content.fmt}/{cache.rope.fmt}: scales per "
+                "block of tokens and a longer BF16 ring)")
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return "not a CUDA device"
@@ -95,11 +99,12 @@ def decode_kernel_name(cache, num_heads: int, device) -> str:
 
     $QUANTMLA_DECODE_KERNEL: "triton" always Triton; "cuda" the CUDA kernel (mla_decode raises if it cannot
     run); "auto" (default) the CUDA kernel where it is supported and num_heads <= AUTO_CUDA_MAX_HEADS (0 for
-    now: the CUDA kernel is opt-in until it is measured faster)."""
+    now: the CUDA kernel is opt-in until it is measured faster). A cache with a token-axis path is always
+    Triton's: the CUDA kernel does not read token-axis scales."""
     choice = os.environ.get(ENV, "auto").lower()
     if choice not in ("triton", "cuda", "auto"):
         raise ValueError(f"{ENV} must be triton, cuda or auto, got {choice!r}")
-    if choice == "triton":
+    if choice == "triton" or cache.content.block > 1 or cache.rope.block > 1:
         return "triton"
     if choice == "cuda":
         return "cuda"

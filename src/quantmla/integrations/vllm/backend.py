@@ -121,6 +121,7 @@ class QuantMLAImplMixin:
         if (dc, dr) != (self.kv_lora_rank, self.qk_rope_head_dim):
             raise ValueError(f"quantmla: layer dims {self.kv_lora_rank}/{self.qk_rope_head_dim} differ from the "
                              f"model's {dc}/{dr}")
+        layout.row_bytes(cfg, dc, dr)  # refuses what one row per token cannot hold (token-axis formats)
         PagedMLACache.allocate(cfg, dc, dr, num_blocks=1, max_seqs=1, block_size=1)  # refuses what it can't store
         vllm_config = get_current_vllm_config_or_none()
         self.quantmla_config = cfg

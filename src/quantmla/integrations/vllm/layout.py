@@ -34,6 +34,10 @@ def _fields(fmt: QuantFormat, dim: int) -> list[tuple[str, torch.dtype, int]]:
     """(name, dtype, elements per token) of one path's pool tensors, in `PagedPath` order."""
     if fmt.kind == "bf16":
         return [("codes", torch.bfloat16, dim)]
+    if fmt.axis == "token":
+        raise ValueError(f"quantmla's vLLM backend stores one packed row per token; the token-axis format {fmt} "
+                         "keeps its scales per block of tokens (served by `quantmla serve` only; for vLLM "
+                         "calibrate with `quantmla calibrate --no-token-axis`)")
     codes = ("codes", torch.uint8, dim * fmt.bits // 8)
     if fmt.kind == "fp8":
         return [codes, ("scale", torch.float32, dim // fmt.group)] if fmt.group else [codes]
