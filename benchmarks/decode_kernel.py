@@ -102,8 +102,9 @@ def build(fmt: str, batch: int, ctx: int, seed: int = 0) -> tuple:
     step = 1 << 19
     for r0 in range(0, rows, step):
         idx = torch.arange(r0, min(rows, r0 + step), device="cuda")
-        cache.content.write(idx, (torch.randn(len(idx), DC, device="cuda") * 2).bfloat16())
-        cache.rope.write(idx, torch.randn(len(idx), DR, device="cuda").bfloat16())
+        for path, std in ((cache.content, 2.0), (cache.rope, 1.0)):  # token-axis: scales per block of rows
+            blocks = idx[:: path.block] // path.block if path.block > 1 else None
+            path.write(idx, (torch.randn(len(idx), path.dim, device="cuda") * std).bfloat16(), scale_rows=blocks)
     cache.protected_content.normal_().mul_(2)
     cache.protected_rope.normal_()
     tables = torch.randperm(nb, device="cuda").to(torch.int32).view(batch, per_seq)
