@@ -254,23 +254,23 @@ def test_clipping_lowers_the_int2_objective_on_report_sequences(layer_data):
     assert clipped == pytest.approx(res.report["calibrated"], rel=1e-4) and clipped < 0.9 * unclipped
 
 
-def test_token_axis_points_by_default_servable_and_at_no_more_bytes():
+def test_token_axis_points_are_opt_in_servable_and_at_no_more_bytes():
     from quantmla.calibrate.space import SearchSpace
 
     base = QuantFormat.parse("int4")
-    wide = SearchSpace(clips=(0.9,)).formats(base, 64)  # the default space has KIVI's blocks of 64 tokens
+    assert SearchSpace(clips=(0.9,)).formats(base, 512) == [base, QuantFormat("int4", 64, clip=0.9)]  # default
+    axis = SearchSpace(clips=(0.9,), token_axis=True)
+    wide = axis.formats(base, 64)  # KIVI's blocks of 64 tokens
     token = [QuantFormat("int4", 64, "token"), QuantFormat("int4", 64, "token", 0.9)]
     assert wide == [base, QuantFormat("int4", 64, clip=0.9), *token] and all(SearchSpace.servable(f) for f in wide)
     assert not SearchSpace.servable(token[0], page=32)  # blocks must divide the engine's page
-    plain = SearchSpace(clips=(0.9,), token_axis=False).formats(base, 512)
-    assert plain == [base, QuantFormat("int4", 64, clip=0.9)]
     # a group of 128 channels costs fewer bytes than blocks of 64 tokens: no token-axis point then
-    assert all(f.axis == "channel" for f in SearchSpace().formats(QuantFormat("int4", 128), 512))
-    assert SearchSpace().formats(QuantFormat("fp8"), 512) == [QuantFormat("fp8")]
+    assert all(f.axis == "channel" for f in axis.formats(QuantFormat("int4", 128), 512))
+    assert axis.formats(QuantFormat("fp8"), 512) == [QuantFormat("fp8")]
     # calibration sequences too short for the first scored query to see a quantized block: no token points
     cfg = CacheConfig("int4", "int4", sink=4, recent=128)
-    assert QuantFormat("int4", 64, "token") in SearchSpace().formats(base, 64, first_query=4 + 128 + 63, cfg=cfg)
-    assert all(f.axis == "channel" for f in SearchSpace().formats(base, 64, first_query=4 + 128 + 62, cfg=cfg))
+    assert QuantFormat("int4", 64, "token") in axis.formats(base, 64, first_query=4 + 128 + 63, cfg=cfg)
+    assert all(f.axis == "channel" for f in axis.formats(base, 64, first_query=4 + 128 + 62, cfg=cfg))
 
 
 def test_rope_search_with_token_axis_scores_kivi(layer_data):

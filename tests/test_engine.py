@@ -382,7 +382,7 @@ def test_per_layer_clipped_formats_are_served_as_calibrated(tmp_path):
 
 
 def test_calibrated_token_axis_formats_are_served(tmp_path):
-    """A section whose per-layer choice has token-axis paths (what the default calibration search may pick,
+    """A section whose per-layer choice has token-axis paths (what `quantmla calibrate --token-axis` may pick,
     clipped or not) round-trips through config.json and is served as calibrated: greedy tokens equal
     `generate` with a token-by-token QuantMLACache of the same per-layer formats."""
     import json

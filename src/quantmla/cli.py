@@ -214,8 +214,9 @@ def cmd_calibrate(args) -> None:
                   f"of BF16 at {args.context} tokens", soft_wrap=True)
     console.print("servable by `quantmla serve` (paged cache, its writers, decode kernel): "
                   + ("yes" if not unservable else f"no: {', '.join(unservable)}")
-                  + (f"; by the vLLM plugin: no, token-axis {', '.join(token)} (calibrate with --no-token-axis "
-                     "for vLLM)" if token else ""), soft_wrap=True)
+                  + (f"; by the vLLM plugin: no, token-axis {', '.join(token)} (calibrate without --token-axis "
+                     "for vLLM); on the GPU the decode kernel serves token-axis formats only on the RoPE path "
+                     "at <= 16 heads" if token else ""), soft_wrap=True)
     if args.streaming:
         out = result.out_dir
         console.print(f"peak resident weights {result.peak_weight_bytes / 2**20:.1f} MiB of "
@@ -387,7 +388,7 @@ def build_parser() -> argparse.ArgumentParser:
                                    "quantmla section that configures quantmla's cache. Per path and layer the "
                                    "search also chooses the quantizer: RTN (identity), SmoothQuant and the fitted "
                                    "transform, each with every clipping ratio of --clips, with channel groups and "
-                                   "KIVI-style token groups (unless --no-token-axis), scored on held-out "
+                                   "with --token-axis KIVI-style token groups, scored on held-out "
                                    "selection sequences; the chosen formats go into the section per layer. Every "
                                    "point is servable by `quantmla serve`; the vLLM plugin serves channel "
                                    "groups only.")
@@ -405,10 +406,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="clipping ratios the search tries per path and layer, chosen on the real objective of "
                         f"the selection sequences (default {','.join(map(str, CLIPS))}; 1 = no clipping). "
                         "Servable: `quantmla serve` writes clipped formats byte for byte")
-    s.add_argument("--token-axis", action=argparse.BooleanOptionalAction, default=True,
-                   help="also try KIVI-style token-axis groups (int4:t64, at no more bytes) per path and layer "
-                        "(default; `quantmla serve` serves them with pages of 64 tokens). --no-token-axis: "
-                        "channel groups only, e.g. for the vLLM plugin, which stores one packed row per token")
+    s.add_argument("--token-axis", action=argparse.BooleanOptionalAction, default=False,
+                   help="also try KIVI-style token-axis groups (int4:t64, at no more bytes) per path and layer. "
+                        "Off by default: `quantmla serve` serves them on the CPU, but on the GPU its decode kernel "
+                        "serves only a token-axis RoPE path at <= 16 heads (slowly); the vLLM plugin none")
     s.add_argument("--budget", type=float,
                    help="cache size as a fraction of BF16's at --context tokens, e.g. 0.27: choose bits and group "
                         "size per path and layer (bf16, int8/int4/int2 channel groups: all servable) to fit it, "

@@ -9,9 +9,10 @@ data the choice is never worse than any of them.
 
 Servable: every point is a format the paged cache (`cache/paged.py`), its writers and the decode kernel
 serve: channel-grouped integer formats (a clipping ratio changes only how the writers pick scale and zero)
-and token-axis (KIVI-style) ones, whose blocks of `kivi_tokens` tokens must divide the engine's page
-(`PAGE`, its default block size). vLLM's plugin stores one packed row per token and so serves channel
-formats only: calibrate with `token_axis=False` (`quantmla calibrate --no-token-axis`) for it.
+and, with `token_axis=True` (`quantmla calibrate --token-axis`), token-axis (KIVI-style) ones, whose
+blocks of `kivi_tokens` tokens must divide the engine's page (`PAGE`, its default block size). Those are
+opt-in: on the GPU the decode kernel serves only a token-axis RoPE path at few heads (see SearchSpace).
+vLLM's plugin stores one packed row per token and so serves channel formats only.
 """
 
 from __future__ import annotations
@@ -30,10 +31,13 @@ PAGE = 64  # the engine's default page (`LLM(block_size=...)`): token-axis block
 @dataclass(frozen=True)
 class SearchSpace:
     """clips: clipping ratios tried per path and layer (1.0: none). token_axis: also KIVI-style blocks of
-    `kivi_tokens` tokens at the same bits (served by quantmla's engine; not by the vLLM plugin)."""
+    `kivi_tokens` tokens at the same bits (opt-in: the engine serves them on the CPU and, at few heads, a
+    token-axis RoPE path on the GPU, slowly; the GPU decode kernel runs out of shared memory on a
+    token-axis content path and at 128 heads (benchmarks/results/decode_kernel_formats.md); not the vLLM
+    plugin)."""
 
     clips: tuple[float, ...] = CLIPS
-    token_axis: bool = True
+    token_axis: bool = False
     kivi_tokens: int = KIVI_TOKENS
 
     def formats(self, base: QuantFormat, dim: int, first_query: int | None = None,

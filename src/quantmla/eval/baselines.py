@@ -23,11 +23,12 @@ so that in the accuracy table only the quantizer differs.
                magnitudes; both folded. Statistics from the built-in calibration text. Formats as rtn.
   quantmla     our method: a checkpoint with a `quantmla` section (from `quantmla calibrate`) is used as is;
                any other is calibrated first (calibrate.driver.calibrate_model on a copy; says so on stdout),
-               with the default (servable) search space: transforms x clipping ratios x channel or token
-               (KIVI-style) groups. With a byte budget (`quantmla@budget=F` in benchmarks/eval_methods.py) the
+               with the default search space: transforms x clipping ratios x channel groups. With a byte budget (`quantmla@budget=F` in benchmarks/eval_methods.py) the
                formats are first chosen per path and layer to fit F of BF16's bytes at 128 K tokens
                (calibrate.budget.choose_formats on the calibration windows, both as `quantmla calibrate
                --budget F` has them), then calibrated for.
+  quantmla-t   the same with token-axis (KIVI-style) groups in the search too (`quantmla calibrate
+               --token-axis`; on the GPU the decode kernel serves them only on the RoPE path at few heads).
 """
 
 from __future__ import annotations
@@ -206,7 +207,7 @@ class Calibration:
     length: int = 512
     steps: int = 100
     seed: int = 0
-    token_axis: bool = True  # also search KIVI-style token-axis groups (as `quantmla calibrate` does)
+    token_axis: bool = False  # also search KIVI-style token-axis groups (`quantmla calibrate --token-axis`)
 
 
 def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -> tuple[nn.Module, CacheConfig]:
@@ -250,5 +251,10 @@ def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -
     return model, chosen_config(config.fit(layers[0].kv_lora_rank, layers[0].rope_dim), reports)
 
 
+def quantmla_token_axis(model: nn.Module, args) -> tuple[nn.Module, CacheConfig]:
+    """quantmla whose search also has token-axis (KIVI-style) points (`quantmla calibrate --token-axis`)."""
+    return quantmla(model, args, Calibration(token_axis=True))
+
+
 BASELINES = {"fp4": fp4, "turboquant": turboquant, "kivi": kivi, "quarot": quarot, "smoothquant": smoothquant,
-             "quantmla": quantmla}
+             "quantmla": quantmla, "quantmla-t": quantmla_token_axis}

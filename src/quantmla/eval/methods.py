@@ -97,7 +97,7 @@ METHODS: dict[str, Callable[[nn.Module, MethodArgs], tuple[nn.Module, CacheConfi
 }
 
 
-BUDGETED = ("quantmla",)  # the methods that read MethodArgs.budget
+BUDGETED = ("quantmla", "quantmla-t")  # the methods that read MethodArgs.budget
 
 
 def check_method(name: str, args: MethodArgs) -> None:
@@ -105,7 +105,7 @@ def check_method(name: str, args: MethodArgs) -> None:
     if name not in METHODS:
         raise ValueError(f"unknown method {name!r}; known methods: {', '.join(METHODS)}")
     if args.budget is not None and name not in BUDGETED:
-        raise ValueError(f"method {name!r} takes no byte budget; only {', '.join(BUDGETED)} does "
+        raise ValueError(f"method {name!r} takes no byte budget; the methods that do: {', '.join(BUDGETED)} "
                          f"(e.g. quantmla@budget={args.budget})")
 
 

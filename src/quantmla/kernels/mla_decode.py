@@ -66,6 +66,7 @@ import torch
 try:  # the reference works without triton; the kernel needs it
     import triton
     import triton.language as tl
+    from triton.runtime.errors import OutOfResources
 except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
@@ -583,6 +584,11 @@ def num_splits_for(batch: int, num_heads: int, max_seq_len: int, cfg: KernelConf
     return max(1, min(want, triton.cdiv(max(max_seq_len, 1), cfg.min_split)))
 
 
+def _launch(grid, cfg: KernelConfig, *args) -> None:
+    _mla_decode_kernel[grid](*args, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+
+
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -661,16 +667,23 @@ def mla_decode(
                          f"channels (tensor-core tiles); got page {cache.block_size}, dims {dc}/{dr}")  # fmt: skip
     use_asm = cfg.asm and not _interpreting()
     grid = (triton.cdiv(H, cfg.block_h), num_splits, B)
-    _mla_decode_kernel[grid](
-        qn, qp, *c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope,
-        block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
-        H, num_splits, sm_scale * LOG2E,
-        dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
-        cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
-        cfg.block_h, block_n, cfg.scores_t, cfg.values_t, use_asm, _interpreting(),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
-    )  # fmt: skip
+    try:
+        _launch(grid, cfg,
+                qn, qp, *c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope,
+                block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
+                H, num_splits, sm_scale * LOG2E,
+                dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
+                cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
+                cfg.block_h, block_n, cfg.scores_t, cfg.values_t, use_asm, _interpreting())  # fmt: skip
+    except OutOfResources as e:
+        token = [f"{name} {p.fmt}" for name, p in (("content", cache.content), ("rope", cache.rope)) if p.block > 1]
+        if not token:
+            raise
+        # Measured on an H200 (benchmarks/results/decode_kernel_formats.md): a token-axis tile loads one
+        # scale and zero row per token, which the default launch configs cannot stage in shared memory for a
+        # content path, nor at 128 heads for a RoPE path.
+        raise ValueError(f"the decode kernel cannot launch the token-axis {', '.join(token)} at {H} heads on this "
+                         f"GPU ({e}); serve channel-grouped formats here (calibrate without --token-axis)") from e
     if num_splits > 1:
         _combine_kernel[(H, B)](
             part_o, part_lse, out, lse, H, num_splits, dc, num_warps=4

@@ -37,7 +37,7 @@ def _fields(fmt: QuantFormat, dim: int) -> list[tuple[str, torch.dtype, int]]:
     if fmt.axis == "token":
         raise ValueError(f"quantmla's vLLM backend stores one packed row per token; the token-axis format {fmt} "
                          "keeps its scales per block of tokens (served by `quantmla serve` only; for vLLM "
-                         "calibrate with `quantmla calibrate --no-token-axis`)")
+                         "calibrate without `--token-axis`)")
     codes = ("codes", torch.uint8, dim * fmt.bits // 8)
     if fmt.kind == "fp8":
         return [codes, ("scale", torch.float32, dim // fmt.group)] if fmt.group else [codes]
