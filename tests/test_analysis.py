@@ -144,3 +144,14 @@ def test_commands_reject_bad_input(tiny_dir, tmp_path, capsys):
     assert main(["info", str(tmp_path / "llama")]) == 2
     err = capsys.readouterr().err
     assert "model_type 'llama'" in err and "not a supported MLA family; supported: deepseek_v2" in err
+
+
+def test_calibrate_rejects_a_bad_budget_before_loading_the_model(tiny_dir, tmp_path, capsys, monkeypatch):
+    import quantmla.models
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded before the budget was checked")
+
+    monkeypatch.setattr(quantmla.models, "load_model", no_load)
+    assert main(["calibrate", str(tiny_dir), "--budget", "1.3", "--out", str(tmp_path / "c")]) == 2
+    assert "a byte budget is a fraction of the BF16 cache in (0, 1], got 1.3" in capsys.readouterr().err

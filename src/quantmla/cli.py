@@ -156,6 +156,10 @@ def cmd_calibrate(args) -> None:
 
     model_dir = resolve_model_dir(args.model)
     content, rope = _formats(args)
+    if args.budget is not None:
+        from quantmla.calibrate.budget import check_budget
+
+        check_budget(args.budget)  # before the model loads
     if args.streaming:
         from quantmla.calibrate.streaming import skeleton
 
