@@ -121,7 +121,7 @@ def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, c
         steps=steps,
     )
     points = {"identity": starts["identity"], "smoothquant": starts["smoothquant"], "calibrated": res.params}
-    formats = (space or SearchSpace(clips=(), token_axis=False)).formats(cfg.content, dc, int(q_pos.min()), cfg)
+    formats = (space or SearchSpace(clips=())).formats(cfg.content, dc, int(q_pos.min()), cfg)
     name, res.format, res.points = choose(points, formats, lambda p, fmt: true(p, select, fmt))
     res.params, res.best = points[name], res.points[f"{name}@{res.format}"]
     res.report = {"identity": true(starts["identity"], report), "smoothquant": true(starts["smoothquant"], report),

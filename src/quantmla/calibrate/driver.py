@@ -153,10 +153,9 @@ def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg:
     """Calibrate and fold every MLA attention of `model` in place, one decoder layer at a time.
 
     cfg: the formats asked for (per layer where cfg.layers is set) and the serving policy; each path's
-    format is then chosen among `space`'s points (default `SearchSpace()`: the clipping ratios, channel and
-    token-axis groups, all servable by the engine; see `space`), and the reports name what was chosen:
-    `chosen_config(cfg, reports)` is the config to serve
-    the result with (`export.save_calibrated` writes it).
+    format is then chosen among `space`'s points (default `SearchSpace()`: the clipping ratios with channel
+    groups, servable by the engine on every device; see `space`), and the reports name what was chosen:
+    `chosen_config(cfg, reports)` is the config to serve the result with (`export.save_calibrated` writes it).
 
     input_ids [N, T]: calibration sequences, N >= 3, split by `search.Splits.of(N)` into fit / select /
     report; T > cfg.sink + cfg.recent, so that queries see quantized keys (longer is closer to serving).

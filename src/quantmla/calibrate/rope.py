@@ -104,8 +104,7 @@ def calibrate_rope(q_pe, k_pe, q_pos, pairs, cfg: CacheConfig, steps: int = 100,
         steps=steps,
     )
     points = {"identity": starts["identity"], "smoothquant": starts["smoothquant"], "calibrated": res.params}
-    formats = (space or SearchSpace(clips=(), token_axis=False)).formats(cfg.rope, k_pe.shape[-1], int(q_pos.min()),
-                                                                         cfg)  # default space: cfg's format only
+    formats = (space or SearchSpace(clips=())).formats(cfg.rope, k_pe.shape[-1], int(q_pos.min()), cfg)
     name, res.format, res.points = choose(points, formats, lambda p, fmt: true(p, splits.select, fmt))
     res.params, res.best = points[name], res.points[f"{name}@{res.format}"]
     res.report = {"identity": true(starts["identity"], splits.report),

@@ -23,10 +23,10 @@ so that in the accuracy table only the quantizer differs.
                magnitudes; both folded. Statistics from the built-in calibration text. Formats as rtn.
   quantmla     our method: a checkpoint with a `quantmla` section (from `quantmla calibrate`) is used as is;
                any other is calibrated first (calibrate.driver.calibrate_model on a copy; says so on stdout),
-               with the default search space: transforms x clipping ratios x channel groups. With a byte budget (`quantmla@budget=F` in benchmarks/eval_methods.py) the
-               formats are first chosen per path and layer to fit F of BF16's bytes at 128 K tokens
-               (calibrate.budget.choose_formats on the calibration windows, both as `quantmla calibrate
-               --budget F` has them), then calibrated for.
+               with the default search space: transforms x clipping ratios x channel groups. With a byte
+               budget (`quantmla@budget=F` in benchmarks/eval_methods.py) the formats are first chosen per
+               path and layer to fit F of BF16's bytes at 128 K tokens (calibrate.budget.choose_formats on the
+               calibration windows, both as `quantmla calibrate --budget F` has them), then calibrated for.
   quantmla-t   the same with token-axis (KIVI-style) groups in the search too (`quantmla calibrate
                --token-axis`; on the GPU the decode kernel serves them only on the RoPE path at few heads).
 """
