@@ -567,6 +567,12 @@ def unsupported_reason(cache: PagedMLACache, num_heads: int, device) -> str | No
     return None
 
 
+def default_splits(batch: int, max_seq_len: int, num_sms: int) -> int:
+    """Splits per sequence: about two CTAs per SM, no split under 512 tokens (the Triton kernel's rule)."""
+    want = max(1, round(num_sms * 2 / max(batch, 1)))
+    return max(1, min(want, -(-max(max_seq_len, 1) // 512)))
+
+
 def _denorm() -> bool:
     return os.environ.get("QUANTMLA_GLUON_DENORM", "1") != "0"
 
@@ -600,8 +606,7 @@ def mla_decode_gluon(
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if num_splits is None:
-        want = max(1, round(num_sms * 2 / max(B, 1)))
-        num_splits = max(1, min(want, triton.cdiv(max(max_seq_len, 1), 512)))
+        num_splits = default_splits(B, max_seq_len, num_sms)
     if slots is None:
         slots = torch.arange(B, dtype=torch.int32, device=dev)
     qn, qp = q_nope_absorbed.contiguous(), q_pe.contiguous()
