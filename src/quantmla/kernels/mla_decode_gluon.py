@@ -63,7 +63,7 @@ try:  # Gluon is experimental: Triton 3.6 has it; elsewhere the module imports a
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma
+    from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
     _GLUON_ERROR = None
 except Exception as e:  # pragma: no cover - exercised where gluon is missing or different
@@ -303,12 +303,15 @@ fma.rn.f16x2 $3, t, $6, $8;
 
     @gluon.jit
     def _softmax(S, valid, m_i, l_i):
+        """One tile of the online softmax (base 2): p, alpha = exp2(m_old - m_new), whether any head's max
+        grew (the accumulators need rescaling only then), the new max and sum."""
         S = gl.where(valid[:, None], S, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(S, 0))  # finite: every tile holds a valid token
+        grew = gl.max(m_new - m_i, 0) > 0
         alpha = gl.exp2(m_i - m_new)
         p = gl.exp2(S - m_new[None, :])
         l_i = l_i * alpha + gl.sum(p, 0)
-        return p, alpha, m_new, l_i
+        return p, alpha, grew, m_new, l_i
 
     @gluon.jit
     def _stage_p(p, p_s):
@@ -319,11 +322,25 @@ fma.rn.f16x2 $3, t, $6, $8;
         gl.thread_barrier()
 
     @gluon.jit
-    def _mma2(p_s, alpha, acc_a, acc_b, f):
-        """acc * alpha + fragment . P^T for a pair of channel tiles (f: their two A fragments)."""
+    def _mma2(p_s, acc_a, acc_b, f):
+        """acc + fragment . P^T for a pair of channel tiles (f: their two A fragments)."""
         fa, fb = f
-        al = alpha[None, :]
-        return warpgroup_mma(fa, p_s, acc_a * al), warpgroup_mma(fb, p_s, acc_b * al)
+        return warpgroup_mma(fa, p_s, acc_a), warpgroup_mma(fb, p_s, acc_b)
+
+    @gluon.jit
+    def _rescale(alpha, grew, a0, a1, a2, a3, a4, a5, a6, a7):
+        """acc_j * alpha, only where some head's running max grew this tile (else alpha is exactly 1)."""
+        if grew:
+            al = alpha[None, :]
+            a0 = a0 * al
+            a1 = a1 * al
+            a2 = a2 * al
+            a3 = a3 * al
+            a4 = a4 * al
+            a5 = a5 * al
+            a6 = a6 * al
+            a7 = a7 * al
+        return a0, a1, a2, a3, a4, a5, a6, a7
 
     @gluon.jit
     def _store_tile(o_ptr, row, hmask, acc, l_safe, J: gl.constexpr):
@@ -453,7 +470,10 @@ fma.rn.f16x2 $3, t, $6, $8;
             zptr = gl.where(zg[None, :] < 8, cz_t + tokZ[:, None] * C_SZ_ROW + zg[None, :],
                             rz_t + tokZ[:, None] * R_SZ_ROW)
             az = gl.load(zptr, mask=(zg < 9)[None, :], other=0.0)
-            S = warpgroup_mma(az, z_s, zero_acc, use_acc=False)
+            # Async MMAs, one group ahead: group g's MMA runs while group g-1's result is scaled into S.
+            S = warpgroup_mma(az, z_s, zero_acc, use_acc=False, is_async=True)
+            pending = S
+            sc_prev = gl.load(cs_t + tokM * C_SZ_ROW)
             for g in gl.static_range(9):
                 if g < 8:
                     u = gl.load(cc_t + tokU[:, None] * C_ROW + 32 * g + bytU[None, :])
@@ -461,9 +481,18 @@ fma.rn.f16x2 $3, t, $6, $8;
                 else:
                     u = gl.load(rc_t + tokU[:, None] * R_ROW + bytU[None, :])
                     sc = gl.load(rs_t + tokM * R_SZ_ROW)
-                acc = warpgroup_mma(_scores_frag(u, DENORM), q_s.slice(64 * g, 64), zero_acc, use_acc=False)
-                S = S + acc * (sc.to(gl.float32) * sc_mul)[:, None]
-            p, alpha, m_i, l_i = _softmax(S, (tokM >= lo_ok) & (tokM < hi_ok), m_i, l_i)
+                nxt = warpgroup_mma(_scores_frag(u, DENORM), q_s.slice(64 * g, 64), zero_acc, use_acc=False,
+                                    is_async=True)
+                done = warpgroup_mma_wait(1, deps=[pending])
+                if g == 0:
+                    S = done  # the zero term
+                else:
+                    S = S + done * (sc_prev.to(gl.float32) * sc_mul)[:, None]
+                pending = nxt
+                sc_prev = sc
+            done = warpgroup_mma_wait(0, deps=[pending])
+            S = S + done * (sc_prev.to(gl.float32) * sc_mul)[:, None]
+            p, alpha, grew, m_i, l_i = _softmax(S, (tokM >= lo_ok) & (tokM < hi_ok), m_i, l_i)
             # values: fragments from the codes (8 contiguous bytes of each of 16 tokens per thread); scale
             # and zero in the codes' layout (masked: an invalid token must contribute 0, not NaN * 0)
             v = gl.load(cc_t + tokV[:, None] * C_ROW + bytV[None, :])
@@ -476,10 +505,11 @@ fma.rn.f16x2 $3, t, $6, $8;
             sv = gl.load(cs_t + oza, mask=oka, other=0.0)
             zv = gl.load(cz_t + oza, mask=oka, other=0.0)
             _stage_p(p, p_s)
-            a0, a1 = _mma2(p_s, alpha, a0, a1, _values_frag(va0, vb0, sv, zv, 0))
-            a2, a3 = _mma2(p_s, alpha, a2, a3, _values_frag(va0, vb0, sv, zv, 1))
-            a4, a5 = _mma2(p_s, alpha, a4, a5, _values_frag(va1, vb1, sv, zv, 0))
-            a6, a7 = _mma2(p_s, alpha, a6, a7, _values_frag(va1, vb1, sv, zv, 1))
+            a0, a1, a2, a3, a4, a5, a6, a7 = _rescale(alpha, grew, a0, a1, a2, a3, a4, a5, a6, a7)
+            a0, a1 = _mma2(p_s, a0, a1, _values_frag(va0, vb0, sv, zv, 0))
+            a2, a3 = _mma2(p_s, a2, a3, _values_frag(va0, vb0, sv, zv, 1))
+            a4, a5 = _mma2(p_s, a4, a5, _values_frag(va1, vb1, sv, zv, 0))
+            a6, a7 = _mma2(p_s, a6, a7, _values_frag(va1, vb1, sv, zv, 1))
 
         # protected BF16 rows: the sink positions, then [q_hi, L) from the ring (row SINK + (p - SINK) % ring)
         if SINK + C_RING + R_RING > 0:
@@ -499,16 +529,17 @@ fma.rn.f16x2 $3, t, $6, $8;
                     S = warpgroup_mma(fr, q_s.slice(64 * g, 64), S)
                 S = S * qk_scale
                 iM = t * 64 + tokM
-                p, alpha, m_i, l_i = _softmax(S, iM < n_p, m_i, l_i)
+                p, alpha, grew, m_i, l_i = _softmax(S, iM < n_p, m_i, l_i)
                 iA = t * 64 + tokA
                 vA = iA < n_p
                 pA = gl.where(iA < n_s, iA, q_hi + iA - n_s)
                 rcA = slot * (SINK + C_RING) + gl.where(pA < SINK, pA, SINK + (pA - SINK) % (C_RING + (C_RING == 0)))
                 _stage_p(p, p_s)
-                a0, a1 = _mma2(p_s, alpha, a0, a1, (_prot_values_frag(pc_ptr, rcA, vA, 0), _prot_values_frag(pc_ptr, rcA, vA, 1)))
-                a2, a3 = _mma2(p_s, alpha, a2, a3, (_prot_values_frag(pc_ptr, rcA, vA, 2), _prot_values_frag(pc_ptr, rcA, vA, 3)))
-                a4, a5 = _mma2(p_s, alpha, a4, a5, (_prot_values_frag(pc_ptr, rcA, vA, 4), _prot_values_frag(pc_ptr, rcA, vA, 5)))
-                a6, a7 = _mma2(p_s, alpha, a6, a7, (_prot_values_frag(pc_ptr, rcA, vA, 6), _prot_values_frag(pc_ptr, rcA, vA, 7)))
+                a0, a1, a2, a3, a4, a5, a6, a7 = _rescale(alpha, grew, a0, a1, a2, a3, a4, a5, a6, a7)
+                a0, a1 = _mma2(p_s, a0, a1, (_prot_values_frag(pc_ptr, rcA, vA, 0), _prot_values_frag(pc_ptr, rcA, vA, 1)))
+                a2, a3 = _mma2(p_s, a2, a3, (_prot_values_frag(pc_ptr, rcA, vA, 2), _prot_values_frag(pc_ptr, rcA, vA, 3)))
+                a4, a5 = _mma2(p_s, a4, a5, (_prot_values_frag(pc_ptr, rcA, vA, 4), _prot_values_frag(pc_ptr, rcA, vA, 5)))
+                a6, a7 = _mma2(p_s, a6, a7, (_prot_values_frag(pc_ptr, rcA, vA, 6), _prot_values_frag(pc_ptr, rcA, vA, 7)))
 
         ok = l_i > 0
         l_safe = gl.where(ok, l_i, 1.0)
