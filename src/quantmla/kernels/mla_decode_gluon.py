@@ -40,10 +40,27 @@ one page; the tile arithmetic, split rule, protected-row addressing and the comb
   - online softmax in base 2 (running max / sum per head), protected BF16 rows (sink + ring) through the same
     MMAs with the fragments loaded from bf16 rows, split-K over `num_splits` merged by the Triton
     `_combine_kernel`, lse out.
-The fragment index maps are mirrored in plain torch by `emulate_tile` (tests/test_mla_decode_gluon.py checks it
-against `mla_decode_reference` on CPU), so the maps are tested without a GPU.
-`DENORM=False` (env QUANTMLA_GLUON_DENORM=0) replaces the subnormal scores fragments by 1024 + code minus 1024
-(exact, 4 more f16x2 subtractions per word), should a device flush fp16 subnormals in wgmma.
+  - the scores MMAs are issued async, one group ahead (`warpgroup_mma_wait(1)`), so group g's MMA runs while
+    group g-1 is scaled into S; the O^T accumulators are rescaled only on tiles where some head's max grew.
+The fragment index maps are mirrored in plain torch (`emulate_scores_fragment`, `emulate_values_fragments`,
+`emulate_body_tile`, `stage_q`): tests/test_mla_decode_gluon.py checks them element by element against
+`scores_channel` / `values_channel` and assembles a whole decode from emulated tiles against
+`mla_decode_reference` on the CPU, so the maps are tested without a GPU.
+`DENORM=False` (env QUANTMLA_GLUON_DENORM=0, or denorm=False) replaces the subnormal scores fragments by
+(1024 + code) - 1024 (exact, 4 more f16x2 subtractions per word), should a device flush fp16 subnormals in wgmma.
+
+Compiled for sm_90 with Triton 3.6 (runs/sass_gluon.py, offline): the body loop is 1448 SASS instructions per
+warp per 64-token tile on tiles without a rescale (90.5 warp-instructions per cached token; 1554 = 97 with the
+rescale branch) against the Triton INT4 kernel's 1519 (95; BF16: 934 = 58): about as many instructions, but
+no dequantized tile through shared memory (in the loop: P^T once by STSM, plus the two softmax reductions'
+scratch; Triton INT4: 42 STS + 20 LDS + 108 LDSM per tile), 70 HGMMA m64n16k16 instead of 136 mma.sync, q read
+once per CTA; 255 registers (2 CTAs x 4 warps per SM, like Triton's), no spills in the body loop but one
+LDL/STL pair (128 bytes of stack, from the protected-rows loop), 36 KB of shared memory (Triton INT4: 110 KB).
+Where the instructions go per thread and tile: the scores fragments 5 per code word (4 and + 1 shr), the
+values fragments 14 per pair of words (prmt, shr, 4 lop3, 4 sub, 4 fma: scale and zero vary along the
+tokens, which are the values' K, so they are applied per value), 72 FFMA for the post-MMA scales, the
+scale/zero loads of the values (16-bit, masked) and their addresses. NOT YET RUN ON A GPU: neither its
+correctness on the device nor its speed is measured (runs/GPU_COMMANDS.md).
 """
 
 from __future__ import annotations
@@ -536,10 +553,14 @@ fma.rn.f16x2 $3, t, $6, $8;
                 rcA = slot * (SINK + C_RING) + gl.where(pA < SINK, pA, SINK + (pA - SINK) % (C_RING + (C_RING == 0)))
                 _stage_p(p, p_s)
                 a0, a1, a2, a3, a4, a5, a6, a7 = _rescale(alpha, grew, a0, a1, a2, a3, a4, a5, a6, a7)
-                a0, a1 = _mma2(p_s, a0, a1, (_prot_values_frag(pc_ptr, rcA, vA, 0), _prot_values_frag(pc_ptr, rcA, vA, 1)))
-                a2, a3 = _mma2(p_s, a2, a3, (_prot_values_frag(pc_ptr, rcA, vA, 2), _prot_values_frag(pc_ptr, rcA, vA, 3)))
-                a4, a5 = _mma2(p_s, a4, a5, (_prot_values_frag(pc_ptr, rcA, vA, 4), _prot_values_frag(pc_ptr, rcA, vA, 5)))
-                a6, a7 = _mma2(p_s, a6, a7, (_prot_values_frag(pc_ptr, rcA, vA, 6), _prot_values_frag(pc_ptr, rcA, vA, 7)))
+                a0, a1 = _mma2(p_s, a0, a1, (_prot_values_frag(pc_ptr, rcA, vA, 0),
+                                             _prot_values_frag(pc_ptr, rcA, vA, 1)))
+                a2, a3 = _mma2(p_s, a2, a3, (_prot_values_frag(pc_ptr, rcA, vA, 2),
+                                             _prot_values_frag(pc_ptr, rcA, vA, 3)))
+                a4, a5 = _mma2(p_s, a4, a5, (_prot_values_frag(pc_ptr, rcA, vA, 4),
+                                             _prot_values_frag(pc_ptr, rcA, vA, 5)))
+                a6, a7 = _mma2(p_s, a6, a7, (_prot_values_frag(pc_ptr, rcA, vA, 6),
+                                             _prot_values_frag(pc_ptr, rcA, vA, 7)))
 
         ok = l_i > 0
         l_safe = gl.where(ok, l_i, 1.0)
