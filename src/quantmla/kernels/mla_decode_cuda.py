@@ -41,7 +41,7 @@ import torch
 
 SRC = Path(__file__).with_name("mla_decode_int.cu")
 NT = 64  # tokens per tile (a page must hold whole tiles)
-ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | auto
+ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | gluon | auto
 # Heads per call up to which "auto" picks the CUDA kernel (it reads the cache once per 16 heads); 0: never.
 # It is 0 because on the H200 the CUDA kernel is not faster than the Triton one yet
 # (benchmarks/results/decode_kernel_cuda.md: 0.54-0.89x the bf16 kernel, Triton INT4 0.68-0.91x).
@@ -95,19 +95,20 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
 
 
 def decode_kernel_name(cache, num_heads: int, device) -> str:
-    """Which kernel `mla_decode` runs for this cache, head count and device: "cuda" or "triton".
+    """Which kernel `mla_decode` runs for this cache, head count and device: "cuda", "gluon" or "triton".
 
     $QUANTMLA_DECODE_KERNEL: "triton" always Triton; "cuda" the CUDA kernel (mla_decode raises if it cannot
-    run); "auto" (default) the CUDA kernel where it is supported and num_heads <= AUTO_CUDA_MAX_HEADS (0 for
+    run); "gluon" the Hopper Gluon kernel of `mla_decode_gluon` (opt-in, never chosen by "auto"; raises
+    ValueError if it cannot run); "auto" (default) the CUDA kernel where it is supported and num_heads <= AUTO_CUDA_MAX_HEADS (0 for
     now: the CUDA kernel is opt-in until it is measured faster). A cache with a token-axis path is always
     Triton's: the CUDA kernel does not read token-axis scales."""
     choice = os.environ.get(ENV, "auto").lower()
-    if choice not in ("triton", "cuda", "auto"):
-        raise ValueError(f"{ENV} must be triton, cuda or auto, got {choice!r}")
+    if choice not in ("triton", "cuda", "gluon", "auto"):
+        raise ValueError(f"{ENV} must be triton, cuda, gluon or auto, got {choice!r}")
     if choice == "triton" or cache.content.block > 1 or cache.rope.block > 1:
         return "triton"
-    if choice == "cuda":
-        return "cuda"
+    if choice in ("cuda", "gluon"):
+        return choice
     if num_heads <= AUTO_CUDA_MAX_HEADS and unsupported_reason(cache, num_heads, device) is None:
         return "cuda"
     return "triton"
