@@ -40,6 +40,11 @@ one page; the tile arithmetic, split rule, protected-row addressing and the comb
   - online softmax in base 2 (running max / sum per head), protected BF16 rows (sink + ring) through the same
     MMAs with the fragments loaded from bf16 rows, split-K over `num_splits` merged by the Triton
     `_combine_kernel`, lse out.
+  - the codes of each body tile (content [8 groups, 64 tokens, 32 B], rope [64, 32 B]) are copied by cp.async
+    (16 B per thread and copy) into a shared-memory ring of STAGES slots, STAGES - 1 tiles ahead (one commit
+    group per tile; tiles past the split's end copy nothing); the scores and values fragments read the same
+    bytes from there (LDS.64) instead of global memory. STAGES=0 (env QUANTMLA_GLUON_STAGES=0) keeps the old
+    direct loads; default 3. Scales and zeros are still loaded from global memory;
   - the scores MMAs are issued async, one group ahead (`warpgroup_mma_wait(1)`), so group g's MMA runs while
     group g-1 is scaled into S; the O^T accumulators are rescaled only on tiles where some head's max grew.
 The fragment index maps are mirrored in plain torch (`emulate_scores_fragment`, `emulate_values_fragments`,
@@ -49,7 +54,11 @@ The fragment index maps are mirrored in plain torch (`emulate_scores_fragment`, 
 `DENORM=False` (env QUANTMLA_GLUON_DENORM=0, or denorm=False) replaces the subnormal scores fragments by
 (1024 + code) - 1024 (exact, 4 more f16x2 subtractions per word), should a device flush fp16 subnormals in wgmma.
 
-Compiled for sm_90 with Triton 3.6 (runs/sass_gluon.py, offline): the body loop is 1448 SASS instructions per
+Ring (STAGES=3, offline sm_90 SASS): body loop 1508 instructions per tile with the rescale branch (1554
+direct), 9 LDGSTS.128 + 34 LDS.64 in place of 34 LDG.64, 60 LDG.U16 (scales/zeros) left, 255 registers, no
+local memory in the body loop, 77 KB shared memory (STAGES=2: 59 KB; 0: 22 KB, Q^T now 18 KB instead of 32).
+NOT YET RUN ON A GPU.
+Before the ring, compiled for sm_90 with Triton 3.6 (runs/sass_gluon.py, offline): the body loop is 1448 SASS instructions per
 warp per 64-token tile on tiles without a rescale (90.5 warp-instructions per cached token; 1554 = 97 with the
 rescale branch) against the Triton INT4 kernel's 1519 (95; BF16: 934 = 58): about as many instructions, but
 no dequantized tile through shared memory (in the loop: P^T once by STSM, plus the two softmax reductions'
@@ -81,6 +90,7 @@ try:  # Gluon is experimental: Triton 3.6 has it; elsewhere the module imports a
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
     _GLUON_ERROR = None
 except Exception as e:  # pragma: no cover - exercised where gluon is missing or different
@@ -227,6 +237,18 @@ if gluon is not None:
         reg_bases=[[0, 1], [0, 2], [0, 4], [1, 0], [8, 0], [16, 0], [32, 0]],
         lane_bases=[[2, 0], [4, 0], [0, 8], [0, 16], [0, 32]],
         warp_bases=[[0, 64], [0, 128]], block_bases=[], shape=[64, 256]))
+    # The same values codes as [8 groups, 64 tokens, 32 bytes] (the shared-memory ring's order): _LV relabelled.
+    _LV3 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 8, 0], [0, 16, 0], [0, 32, 0]],
+        lane_bases=[[0, 2, 0], [0, 4, 0], [0, 0, 8], [0, 0, 16], [1, 0, 0]],
+        warp_bases=[[2, 0, 0], [4, 0, 0]], block_bases=[], shape=[8, 64, 32]))
+    # cp.async of one tile: 16 bytes per thread and copy; content [8, 64, 32] (8 copies), rope [64, 32] (1)
+    _CPC = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 16, 2], [1, 4, 1], [2, 1, 0]))
+    _CPR = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
+    # the ring: [STAGES, 8 groups, 64 tokens, 32 bytes] and [STAGES, 64, 32], unswizzled (a group's 64 x 32 B
+    # rows are contiguous: the scores' LDS.64 of 8 tokens x 32 B are conflict-free)
+    _RING_C = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
+    _RING_R = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     _QSL = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=32, element_bitwidth=16, rank=2))
     _BLQ = gl.constexpr(gl.BlockedLayout([1, 8], [16, 2], [4, 1], [1, 0]))  # [64, 16] staging of Q chunks
 
@@ -387,6 +409,27 @@ fma.rn.f16x2 $3, t, $6, $8;
         x = gl.load(ptr + rows[None, :] * 512 + ch[:, None], mask=valid[None, :], other=0.0)
         return x.to(gl.float16)
 
+    @gluon.jit
+    def _issue_tile(cc_ptr, rc_ptr, bt_row, cc_s, rc_s, tn, t_stop, t_lo, C_ROW: gl.constexpr, R_ROW: gl.constexpr,
+                    PAGE: gl.constexpr, STAGES: gl.constexpr, slot):
+        """cp.async of body tile tn's content and rope codes into ring slot `slot`, one commit group; a tile
+        at or past t_stop copies nothing (zero-fill, no global read), so every iteration commits one group."""
+        ok = tn < t_stop
+        pos0 = (gl.where(ok, tn, 0) + t_lo) * 64
+        row0 = gl.load(bt_row + pos0 // PAGE, mask=ok, other=0).to(gl.int64) * PAGE + pos0 % PAGE
+        lim = gl.where(ok, 64, 0)
+        g3 = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(2, _CPC)))
+        t3 = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, _CPC)))
+        b3 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CPC)))
+        off3 = (t3[None, :, None] * C_ROW + 32 * g3[:, None, None]) + b3[None, None, :]
+        async_copy.async_copy_global_to_shared(cc_s.index(slot), cc_ptr + row0 * C_ROW + off3,
+                                               mask=t3[None, :, None] < lim)
+        t2 = gl.arange(0, 64, layout=gl.SliceLayout(1, _CPR))
+        b2 = gl.arange(0, 32, layout=gl.SliceLayout(0, _CPR))
+        async_copy.async_copy_global_to_shared(rc_s.index(slot), rc_ptr + row0 * R_ROW + (t2[:, None] * R_ROW + b2[None, :]),
+                                               mask=t2[:, None] < lim)
+        async_copy.commit_group()
+
     @gluon.jit(do_not_specialize=["bt_stride", "H", "num_splits"])
     def _gluon_decode_kernel(
         qn_ptr, qp_ptr,  # [B, H, 512], [B, H, 64] bf16/fp32, contiguous
@@ -398,7 +441,7 @@ fma.rn.f16x2 $3, t, $6, $8;
         H, num_splits, qk_scale,
         C_ROW: gl.constexpr, C_SZ_ROW: gl.constexpr, R_ROW: gl.constexpr, R_SZ_ROW: gl.constexpr,
         PAGE: gl.constexpr, SINK: gl.constexpr, RECENT: gl.constexpr, C_RING: gl.constexpr, R_RING: gl.constexpr,
-        DENORM: gl.constexpr,
+        DENORM: gl.constexpr, STAGES: gl.constexpr,
     ):
         split = gl.program_id(0)
         b = gl.program_id(1)
@@ -415,7 +458,8 @@ fma.rn.f16x2 $3, t, $6, $8;
         t_end = gl.minimum(t_start + per_split, nt)
 
         # --- Q^T in shared memory: 9 chunks [64 k, 16 heads] (scores_channel order), and the zero-term B ----
-        q_s = gl.allocate_shared_memory(gl.float16, [1024, 16], _QSL)  # 576 rows used (power-of-two shapes only)
+        q_s = gl.allocate_shared_memory(gl.float16, [8, 64, 16], _QSL)  # content chunks (power-of-two shapes)
+        q_r = gl.allocate_shared_memory(gl.float16, [64, 16], _QSL)  # the rope chunk
         qk = gl.arange(0, 64, layout=gl.SliceLayout(1, _BLQ))
         qh = gl.arange(0, 16, layout=gl.SliceLayout(0, _BLQ))
         e = qk & 1
@@ -434,7 +478,10 @@ fma.rn.f16x2 $3, t, $6, $8;
             else:
                 q = gl.load(qp_ptr + bh[None, :] * 64 + qch[:, None], mask=hm[None, :], other=0.0)
             q16 = (q.to(gl.float32) * fk[:, None]).to(gl.float16)
-            q_s.slice(64 * g, 64).store(q16)
+            if g < 8:
+                q_s.index(g).store(q16)
+            else:
+                q_r.store(q16)
             qsum = gl.convert_layout(gl.sum(q16.to(gl.float32) / fk[:, None], 0) * qk_scale, gl.SliceLayout(0, _BLQ))
             q_hi16 = qsum.to(gl.float16).to(gl.float32)
             bz = gl.where(zk[:, None] == 2 * g, q_hi16[None, :], bz)
@@ -470,9 +517,24 @@ fma.rn.f16x2 $3, t, $6, $8;
         l_i = gl.zeros([16], gl.float32, layout=gl.SliceLayout(0, _MMA))
 
         bt_row = bt_ptr + b.to(gl.int64) * bt_stride
-        for t in range(t_start, gl.minimum(t_end, nt_q)):
+        t_qend = gl.minimum(t_end, nt_q)
+        if STAGES > 0:
+            # the codes ring: tile t in slot (t - t_start) % STAGES, copied STAGES - 1 tiles ahead
+            cc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 8, 64, 32], _RING_C)
+            rc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, 32], _RING_R)
+            for i in gl.static_range(STAGES - 1):
+                _issue_tile(cc_ptr, rc_ptr, bt_row, cc_s, rc_s, t_start + i, t_qend, t_lo, C_ROW, R_ROW, PAGE,
+                            STAGES, i)
+        for t in range(t_start, t_qend):
             pos0 = (t + t_lo) * 64
             row0 = gl.load(bt_row + pos0 // PAGE).to(gl.int64) * PAGE + pos0 % PAGE
+            if STAGES > 0:
+                slot = (t - t_start) % STAGES
+                async_copy.wait_group(STAGES - 2)  # this thread's copies of tile t have landed
+                gl.thread_barrier()  # everyone's have; and every warp is done with the slot refilled next
+                _issue_tile(cc_ptr, rc_ptr, bt_row, cc_s, rc_s, t + STAGES - 1, t_qend, t_lo, C_ROW, R_ROW, PAGE,
+                            STAGES, (t - t_start + STAGES - 1) % STAGES)
+                cc_t_s = cc_s.index(slot)
             # Per-tile scalar bases; every per-element offset below is a loop-invariant int32 pattern.
             cc_t = cc_ptr + row0 * C_ROW
             cs_t = cs_ptr + row0 * C_SZ_ROW
@@ -493,13 +555,20 @@ fma.rn.f16x2 $3, t, $6, $8;
             sc_prev = gl.load(cs_t + tokM * C_SZ_ROW)
             for g in gl.static_range(9):
                 if g < 8:
-                    u = gl.load(cc_t + tokU[:, None] * C_ROW + 32 * g + bytU[None, :])
+                    if STAGES > 0:
+                        u = cc_t_s.reshape([512, 32]).slice(64 * g, 64).load(_LU)
+                    else:
+                        u = gl.load(cc_t + tokU[:, None] * C_ROW + 32 * g + bytU[None, :])
                     sc = gl.load(cs_t + tokM * C_SZ_ROW + g)
+                    nxt = warpgroup_mma(_scores_frag(u, DENORM), q_s.index(g), zero_acc, use_acc=False,
+                                        is_async=True)
                 else:
-                    u = gl.load(rc_t + tokU[:, None] * R_ROW + bytU[None, :])
+                    if STAGES > 0:
+                        u = rc_s.index(slot).load(_LU)
+                    else:
+                        u = gl.load(rc_t + tokU[:, None] * R_ROW + bytU[None, :])
                     sc = gl.load(rs_t + tokM * R_SZ_ROW)
-                nxt = warpgroup_mma(_scores_frag(u, DENORM), q_s.slice(64 * g, 64), zero_acc, use_acc=False,
-                                    is_async=True)
+                    nxt = warpgroup_mma(_scores_frag(u, DENORM), q_r, zero_acc, use_acc=False, is_async=True)
                 done = warpgroup_mma_wait(1, deps=[pending])
                 if g == 0:
                     S = done  # the zero term
@@ -512,7 +581,11 @@ fma.rn.f16x2 $3, t, $6, $8;
             p, alpha, grew, m_i, l_i = _softmax(S, (tokM >= lo_ok) & (tokM < hi_ok), m_i, l_i)
             # values: fragments from the codes (8 contiguous bytes of each of 16 tokens per thread); scale
             # and zero in the codes' layout (masked: an invalid token must contribute 0, not NaN * 0)
-            v = gl.load(cc_t + tokV[:, None] * C_ROW + bytV[None, :])
+            if STAGES > 0:
+                v3 = cc_t_s.load(_LV3)  # [8 g, 64 t, 32 b] -> [64 t, 256 bytes]: a register relabelling
+                v = gl.convert_layout(gl.reshape(gl.permute(v3, [1, 0, 2]), [64, 256]), _LV, assert_trivial=True)
+            else:
+                v = gl.load(cc_t + tokV[:, None] * C_ROW + bytV[None, :])
             va0, va1, vb0, vb1 = _values_split(v)
             # In a PTX pack, element j0 (byte bit 0 of the input word) is relabelled token 2p + j0 on output, so
             # the scale/zero pair of a pack is that of tokens (2p, 2p + 1): index tok + (byte & 1) of the a half.
@@ -529,6 +602,8 @@ fma.rn.f16x2 $3, t, $6, $8;
             a6, a7 = _mma2(p_s, a6, a7, _values_frag(va1, vb1, sv, zv, 1))
 
         # protected BF16 rows: the sink positions, then [q_hi, L) from the ring (row SINK + (p - SINK) % ring)
+        if STAGES > 0:
+            async_copy.wait_group(0)  # the (empty) groups issued past the last tile
         if SINK + C_RING + R_RING > 0:
             slot = gl.load(slots_ptr + b).to(gl.int64)
             for t in range(gl.maximum(t_start, nt_q) - nt_q, t_end - nt_q):
@@ -540,10 +615,9 @@ fma.rn.f16x2 $3, t, $6, $8;
                 S = zero_acc
                 for g in gl.static_range(9):
                     if g < 8:
-                        fr = _prot_scores_frag(pc_ptr, rcZ, vZ, 64 * g, 512)
+                        S = warpgroup_mma(_prot_scores_frag(pc_ptr, rcZ, vZ, 64 * g, 512), q_s.index(g), S)
                     else:
-                        fr = _prot_scores_frag(pr_ptr, rrZ, vZ, 0, 64)
-                    S = warpgroup_mma(fr, q_s.slice(64 * g, 64), S)
+                        S = warpgroup_mma(_prot_scores_frag(pr_ptr, rrZ, vZ, 0, 64), q_r, S)
                 S = S * qk_scale
                 iM = t * 64 + tokM
                 p, alpha, grew, m_i, l_i = _softmax(S, iM < n_p, m_i, l_i)
@@ -629,6 +703,14 @@ def _denorm() -> bool:
     return os.environ.get("QUANTMLA_GLUON_DENORM", "1") != "0"
 
 
+def _stages() -> int:
+    """Codes ring depth: $QUANTMLA_GLUON_STAGES (default 3); 0 loads the codes straight from global memory."""
+    n = int(os.environ.get("QUANTMLA_GLUON_STAGES", "3"))
+    if n not in (0, 2, 3, 4):
+        raise ValueError(f"QUANTMLA_GLUON_STAGES must be 0, 2, 3 or 4, got {n}")
+    return n
+
+
 def mla_decode_gluon(
     q_nope_absorbed: torch.Tensor,
     q_pe: torch.Tensor,
@@ -643,6 +725,7 @@ def mla_decode_gluon(
     num_splits: int | None = None,
     num_sms: int | None = None,
     denorm: bool | None = None,
+    stages: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. num_splits: None picks enough programs for two CTAs per SM, no split under
     512 tokens (the Triton kernel's rule). Raises ValueError naming what it does not support."""
@@ -678,6 +761,7 @@ def mla_decode_gluon(
         part_o, part_lse, H, num_splits, sm_scale * LOG2E,
         c.codes.stride(1), c.scale.stride(1), r.codes.stride(1), r.scale.stride(1),
         cache.block_size, cache.sink, cache.recent, *cache.rings, _denorm() if denorm is None else denorm,
+        _stages() if stages is None else stages,
         num_warps=NUM_WARPS,
     )  # fmt: skip
     if num_splits > 1:
