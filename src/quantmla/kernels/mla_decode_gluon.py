@@ -44,7 +44,8 @@ one page; the tile arithmetic, split rule, protected-row addressing and the comb
     (16 B per thread and copy) into a shared-memory ring of STAGES slots, STAGES - 1 tiles ahead (one commit
     group per tile; tiles past the split's end copy nothing); the scores and values fragments read the same
     bytes from there (LDS.64) instead of global memory. STAGES=0 (env QUANTMLA_GLUON_STAGES=0) keeps the old
-    direct loads; default 3. Scales and zeros are still loaded from global memory;
+    direct loads; default 3. The content scales ([64, 8] fp16) ride in the ring too (the scores read them
+    by LDS.U16); the zeros, the rope scale and the values' scale/zero gathers still load from global memory;
   - the scores MMAs are issued async, one group ahead (`warpgroup_mma_wait(1)`), so group g's MMA runs while
     group g-1 is scaled into S; the O^T accumulators are rescaled only on tiles where some head's max grew.
 The fragment index maps are mirrored in plain torch (`emulate_scores_fragment`, `emulate_values_fragments`,
@@ -54,15 +55,16 @@ The fragment index maps are mirrored in plain torch (`emulate_scores_fragment`, 
 `DENORM=False` (env QUANTMLA_GLUON_DENORM=0, or denorm=False) replaces the subnormal scores fragments by
 (1024 + code) - 1024 (exact, 4 more f16x2 subtractions per word), should a device flush fp16 subnormals in wgmma.
 
-Ring (STAGES=3, offline sm_90 SASS): body loop 1508 instructions per tile with the rescale branch (1554
-direct), 9 LDGSTS.128 + 34 LDS.64 in place of 34 LDG.64, 60 LDG.U16 (scales/zeros) left, 255 registers, no
-local memory in the body loop, 77 KB shared memory (STAGES=2: 59 KB; 0: 22 KB, Q^T now 18 KB instead of 32).
+Ring (STAGES=3, offline sm_90 SASS): body loop 1521 instructions per tile with the rescale branch (1554
+direct), 10 LDGSTS.128 + 34 LDS.64 + 16 LDS.U16 in place of 34 LDG.64 + 16 LDG.U16; 44 LDG.U16 (zeros,
+values' scales) left; 255 registers, no local memory in the body loop (144 bytes of stack, for the protected
+rows), 80 KB shared memory (Q^T now 18 KB instead of 32; STAGES=0: 22 KB).
 NOT YET RUN ON A GPU.
-Before the ring, compiled for sm_90 with Triton 3.6 (runs/sass_gluon.py, offline): the body loop is 1448 SASS instructions per
-warp per 64-token tile on tiles without a rescale (90.5 warp-instructions per cached token; 1554 = 97 with the
-rescale branch) against the Triton INT4 kernel's 1519 (95; BF16: 934 = 58): about as many instructions, but
-no dequantized tile through shared memory (in the loop: P^T once by STSM, plus the two softmax reductions'
-scratch; Triton INT4: 42 STS + 20 LDS + 108 LDSM per tile), 70 HGMMA m64n16k16 instead of 136 mma.sync, q read
+Before the ring, compiled for sm_90 with Triton 3.6 (runs/sass_gluon.py, offline): the body loop is 1448 SASS
+instructions per warp per 64-token tile on tiles without a rescale (90.5 warp-instructions per cached token;
+1554 = 97 with the rescale branch) against the Triton INT4 kernel's 1519 (95; BF16: 934 = 58): about as many
+instructions, but no dequantized tile through shared memory (in the loop: P^T once by STSM, plus the two softmax
+reductions' scratch; Triton INT4: 42 STS + 20 LDS + 108 LDSM per tile), 70 HGMMA m64n16k16 instead of 136 mma.sync, q read
 once per CTA; 255 registers (2 CTAs x 4 warps per SM, like Triton's), no spills in the body loop but one
 LDL/STL pair (128 bytes of stack, from the protected-rows loop), 36 KB of shared memory (Triton INT4: 110 KB).
 Where the instructions go per thread and tile: the scores fragments 5 per code word (4 and + 1 shr), the
@@ -245,6 +247,11 @@ if gluon is not None:
     # cp.async of one tile: 16 bytes per thread and copy; content [8, 64, 32] (8 copies), rope [64, 32] (1)
     _CPC = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 16, 2], [1, 4, 1], [2, 1, 0]))
     _CPR = gl.constexpr(gl.BlockedLayout([1, 16], [16, 2], [4, 1], [1, 0]))
+    _CPS = gl.constexpr(gl.BlockedLayout([1, 8], [32, 1], [2, 2], [1, 0]))  # scale / zero rows [64, 8] fp16
+    # one group's scales [64, 1] as the MMA rows hold them (reshaped: SliceLayout(1, _MMA))
+    _LS1 = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[8, 0]], lane_bases=[[0, 0], [0, 0], [1, 0], [2, 0], [4, 0]], warp_bases=[[16, 0], [32, 0]],
+        block_bases=[], shape=[64, 1]))
     # the ring: [STAGES, 8 groups, 64 tokens, 32 bytes] and [STAGES, 64, 32], unswizzled (a group's 64 x 32 B
     # rows are contiguous: the scores' LDS.64 of 8 tokens x 32 B are conflict-free)
     _RING_C = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))
@@ -410,10 +417,11 @@ fma.rn.f16x2 $3, t, $6, $8;
         return x.to(gl.float16)
 
     @gluon.jit
-    def _issue_tile(cc_ptr, rc_ptr, bt_row, cc_s, rc_s, tn, t_stop, t_lo, C_ROW: gl.constexpr, R_ROW: gl.constexpr,
-                    PAGE: gl.constexpr, STAGES: gl.constexpr, slot):
-        """cp.async of body tile tn's content and rope codes into ring slot `slot`, one commit group; a tile
-        at or past t_stop copies nothing (zero-fill, no global read), so every iteration commits one group."""
+    def _issue_tile(cc_ptr, rc_ptr, cs_ptr, cs_s, bt_row, cc_s, rc_s, tn, t_stop, t_lo, C_ROW: gl.constexpr,
+                    R_ROW: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, slot, C_SZ_ROW: gl.constexpr):
+        """cp.async of body tile tn's content and rope codes and content scales into ring slot `slot`, one
+        commit group; a tile at or past t_stop copies nothing (zero-fill, no global read), so every iteration
+        commits one group."""
         ok = tn < t_stop
         pos0 = (gl.where(ok, tn, 0) + t_lo) * 64
         row0 = gl.load(bt_row + pos0 // PAGE, mask=ok, other=0).to(gl.int64) * PAGE + pos0 % PAGE
@@ -426,8 +434,14 @@ fma.rn.f16x2 $3, t, $6, $8;
                                                mask=t3[None, :, None] < lim)
         t2 = gl.arange(0, 64, layout=gl.SliceLayout(1, _CPR))
         b2 = gl.arange(0, 32, layout=gl.SliceLayout(0, _CPR))
-        async_copy.async_copy_global_to_shared(rc_s.index(slot), rc_ptr + row0 * R_ROW + (t2[:, None] * R_ROW + b2[None, :]),
+        offr = t2[:, None] * R_ROW + b2[None, :]
+        async_copy.async_copy_global_to_shared(rc_s.index(slot), rc_ptr + row0 * R_ROW + offr,
                                                mask=t2[:, None] < lim)
+        ts = gl.arange(0, 64, layout=gl.SliceLayout(1, _CPS))
+        gs = gl.arange(0, 8, layout=gl.SliceLayout(0, _CPS))
+        offs = ts[:, None] * C_SZ_ROW + gs[None, :]
+        async_copy.async_copy_global_to_shared(cs_s.index(slot), cs_ptr + row0 * C_SZ_ROW + offs,
+                                               mask=ts[:, None] < lim)
         async_copy.commit_group()
 
     @gluon.jit(do_not_specialize=["bt_stride", "H", "num_splits"])
@@ -522,9 +536,10 @@ fma.rn.f16x2 $3, t, $6, $8;
             # the codes ring: tile t in slot (t - t_start) % STAGES, copied STAGES - 1 tiles ahead
             cc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 8, 64, 32], _RING_C)
             rc_s = gl.allocate_shared_memory(gl.uint8, [STAGES, 64, 32], _RING_R)
+            cs_s = gl.allocate_shared_memory(gl.float16, [STAGES, 64, 8], _RING_R)
             for i in gl.static_range(STAGES - 1):
-                _issue_tile(cc_ptr, rc_ptr, bt_row, cc_s, rc_s, t_start + i, t_qend, t_lo, C_ROW, R_ROW, PAGE,
-                            STAGES, i)
+                _issue_tile(cc_ptr, rc_ptr, cs_ptr, cs_s, bt_row, cc_s, rc_s, t_start + i, t_qend, t_lo, C_ROW, R_ROW,
+                            PAGE, STAGES, i, C_SZ_ROW)
         for t in range(t_start, t_qend):
             pos0 = (t + t_lo) * 64
             row0 = gl.load(bt_row + pos0 // PAGE).to(gl.int64) * PAGE + pos0 % PAGE
@@ -532,8 +547,8 @@ fma.rn.f16x2 $3, t, $6, $8;
                 slot = (t - t_start) % STAGES
                 async_copy.wait_group(STAGES - 2)  # this thread's copies of tile t have landed
                 gl.thread_barrier()  # everyone's have; and every warp is done with the slot refilled next
-                _issue_tile(cc_ptr, rc_ptr, bt_row, cc_s, rc_s, t + STAGES - 1, t_qend, t_lo, C_ROW, R_ROW, PAGE,
-                            STAGES, (t - t_start + STAGES - 1) % STAGES)
+                _issue_tile(cc_ptr, rc_ptr, cs_ptr, cs_s, bt_row, cc_s, rc_s, t + STAGES - 1, t_qend, t_lo, C_ROW,
+                            R_ROW, PAGE, STAGES, (t - t_start + STAGES - 1) % STAGES, C_SZ_ROW)
                 cc_t_s = cc_s.index(slot)
             # Per-tile scalar bases; every per-element offset below is a loop-invariant int32 pattern.
             cc_t = cc_ptr + row0 * C_ROW
@@ -552,14 +567,22 @@ fma.rn.f16x2 $3, t, $6, $8;
             # Async MMAs, one group ahead: group g's MMA runs while group g-1's result is scaled into S.
             S = warpgroup_mma(az, z_s, zero_acc, use_acc=False, is_async=True)
             pending = S
-            sc_prev = gl.load(cs_t + tokM * C_SZ_ROW)
+            if STAGES > 0:
+                sc_prev = gl.convert_layout(gl.reshape(cs_s.index(slot).slice(0, 1, dim=1).load(_LS1), [64]),
+                                            gl.SliceLayout(1, _MMA), assert_trivial=True)
+            else:
+                sc_prev = gl.load(cs_t + tokM * C_SZ_ROW)
             for g in gl.static_range(9):
                 if g < 8:
                     if STAGES > 0:
                         u = cc_t_s.reshape([512, 32]).slice(64 * g, 64).load(_LU)
                     else:
                         u = gl.load(cc_t + tokU[:, None] * C_ROW + 32 * g + bytU[None, :])
-                    sc = gl.load(cs_t + tokM * C_SZ_ROW + g)
+                    if STAGES > 0:
+                        sc = gl.convert_layout(gl.reshape(cs_s.index(slot).slice(g, 1, dim=1).load(_LS1), [64]),
+                                               gl.SliceLayout(1, _MMA), assert_trivial=True)
+                    else:
+                        sc = gl.load(cs_t + tokM * C_SZ_ROW + g)
                     nxt = warpgroup_mma(_scores_frag(u, DENORM), q_s.index(g), zero_acc, use_acc=False,
                                         is_async=True)
                 else:
