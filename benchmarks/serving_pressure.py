@@ -30,9 +30,9 @@ Measured per row: tokens the pool holds, preemptions, output tok/s and requests/
 time), TTFT (arrival -> first token) and TPOT ((last - first) / (n - 1)) median and p99, peak batch, and a
 time split: first prefill, re-prefill after preemption and decode, from timing every engine step. Within
 decode, a torch.profiler window of decode steps halfway through the headline run (kernels replayed from the
-CUDA graphs included) splits the GPU time into attention (`_mla_decode_kernel` + `_combine_kernel`),
-the new token's cache write (`_append_decode_kernel`, where the engine uses it), GEMMs (the weights),
-sampling (argmax/top-k kernels) and other kernels, and the step's host time not covered by kernels (Python,
+CUDA graphs included) splits the GPU time into attention (`_mla_decode_kernel`, or `_gluon_decode_kernel`
+with $QUANTMLA_DECODE_KERNEL=gluon, + `_combine_kernel`), the new token's cache write (`_append_decode_kernel`,
+where the engine uses it), GEMMs (the weights), sampling (argmax/top-k kernels) and other kernels, and the step's host time not covered by kernels (Python,
 launches). If the profiler sees no attention kernel in the CUDA-graph run, the kernel times come from an eager
 twin (same format and budget, cuda_graphs=False, the row's peak batch), are set against the CUDA-graph run's
 decode step at that batch, and the output says so. Writes serving_pressure.{json,md,png} to --out; results
@@ -375,7 +375,7 @@ def drive(llm: LLM, w: Workload, prompts: list[list[int]], limit_s: float, windo
 
 # --- the profile window -----------------------------------------------------------------------------------
 
-ATTENTION_KERNELS = ("_mla_decode_kernel", "_combine_kernel")
+ATTENTION_KERNELS = ("_mla_decode_kernel", "_gluon_decode_kernel", "_combine_kernel")  # Triton / Gluon decode
 CACHE_WRITE_KERNELS = ("_append_decode_kernel",)  # the fused quantize-and-store of the new token, when used
 CLASSES = ("attention", "cache_write", "weights", "sampling", "other_kernels")
 GEMM = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|splitk|cublas|matmul", re.I)
@@ -654,7 +654,8 @@ def markdown(result: dict) -> str:
     lines = [
         "# Serving under KV-memory pressure",
         "",
-        f"Card: {result['card']}. Date: {result['date']}. torch {result['torch']}. Command: `{result['command']}`.",
+        f"Card: {result['card']}. Date: {result['date']}. torch {result['torch']}. Command: `{result['command']}`"
+        f" ($QUANTMLA_DECODE_KERNEL={result.get('decode_kernel', 'auto')}).",
         "",
         f"Model: DeepSeek-V2-Lite attention geometry, {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, "
         f"kv_lora_rank {m['kv_lora_rank']}, rope {m['rope']}, nope {m['nope']}, v {m['v']}, dense MLP "
@@ -915,6 +916,7 @@ def run_all(args: argparse.Namespace, device: torch.device) -> dict:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": args.command,
         "torch": torch.__version__,
+        "decode_kernel": os.environ.get("QUANTMLA_DECODE_KERNEL", "auto"),
         "config": {
             "model": asdict(spec), "params": params, "device": str(device), "block_size": args.block_size,
             "max_num_seqs": args.max_num_seqs or "the run's request count", "prefill_chunk": args.prefill_chunk,
