@@ -191,6 +191,25 @@ def emulate_values_fragments(codes: torch.Tensor, scale: torch.Tensor, zero: tor
     return out
 
 
+def emulate_prot_scores_fragment(x: torch.Tensor) -> torch.Tensor:
+    """Protected rows x [64 tokens, 64 channels of a group] -> the scores A fragment [64, 64] float64 the
+    kernel's way (`_prot_scores_vec`: odd channels times 16, then the reshape / permute relabelling)."""
+    x = x.double() * torch.tensor([16.0 if c & 1 else 1.0 for c in range(64)], dtype=torch.float64)
+    return x.reshape(64, 2, 2, 2, 2, 2, 2).permute(0, 3, 5, 6, 1, 2, 4).reshape(64, 64)
+
+
+def emulate_prot_values_fragments(x: torch.Tensor) -> torch.Tensor:
+    """Protected rows x [64 tokens, 512] -> the values A fragments [8 tiles J, 64 rows m, 64 tokens] float64
+    the kernel's way (`_prot_values_vec`, both halves: channel 16R + 8 half + c, relabel, split twice)."""
+    out = []
+    for half in range(2):
+        xh = x.double().reshape(64, 32, 16)[:, :, 8 * half: 8 * half + 8]
+        y = xh.reshape(64, 4, 8, 2, 2, 2).permute(1, 5, 2, 0, 3, 4).reshape(64, 64, 2, 2)
+        xa, xb = y[..., 0], y[..., 1]  # gl.split: j0
+        out += [xa[..., 0], xb[..., 0], xa[..., 1], xb[..., 1]]  # f0, f1, f2, f3
+    return torch.stack(out)
+
+
 def stage_q(qn: torch.Tensor, qp: torch.Tensor) -> torch.Tensor:
     """Q^T as the kernel stages it: [9 chunks, 64 k, H] float64 of fp16 q[channel(k)] (times 1/16 on the
     high-nibble columns); qn [H, 512], qp [H, 64]."""
@@ -416,6 +435,73 @@ fma.rn.f16x2 $3, t, $6, $8;
         x = gl.load(ptr + rows[None, :] * 512 + ch[:, None], mask=valid[None, :], other=0.0)
         return x.to(gl.float16)
 
+    # Protected bf16 rows, loaded so that each thread's fragment registers are contiguous in memory (LDG.128):
+    # the scores chunk [64 tokens, 64 channels of a group]: the thread holds channels 16t..16t+15 (t = lane % 4)
+    # of tokens 16w + l//4 (+8), the channels its `scores_channel` fragment columns need, in channel order.
+    _LPS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
+    # the values half [64 tokens, 32 R, 8 c] (channel 16R + 8 half + c): the thread holds R = l//4 + 8w, 8
+    # consecutive channels, of its 16 tokens (the A fragment's K: token bits 1, 2 from the lane, the rest regs)
+    _LPV = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [1, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0]],
+        lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[0, 8, 0], [0, 16, 0]], block_bases=[], shape=[64, 32, 8]))
+
+    # bf16x2 -> f16x2 (element 0 in the low half): both halves widened to fp32 exactly, one cvt (round to
+    # nearest); the scores' variant also multiplies element 1 (an odd channel: a high-nibble column) by 16.
+    _BF16_F16_PTX = gl.constexpr("""{
+.reg .b32 a, b;
+and.b32 a, $1, 0xFFFF0000;
+shl.b32 b, $1, 16;
+cvt.rn.f16x2.f32 $0, a, b;
+}""")
+    _BF16_F16_X16_PTX = gl.constexpr("""{
+.reg .b32 a, b;
+and.b32 a, $1, 0xFFFF0000;
+shl.b32 b, $1, 16;
+mul.f32 a, a, 0f41800000;
+cvt.rn.f16x2.f32 $0, a, b;
+}""")
+
+    @gluon.jit
+    def _prot_scores_vec(ptr, rows, CH0: gl.constexpr, DIM: gl.constexpr):
+        """`_prot_scores_frag` by contiguous loads: rows [64] in SliceLayout(1, _LPS); the [64, 64]
+        channel-order chunk (times 16 on odd channels = the high-nibble columns) relabelled to the fragment."""
+        c = gl.arange(0, 64, layout=gl.SliceLayout(0, _LPS))
+        x = gl.load(ptr + rows[:, None] * DIM + CH0 + c[None, :])  # unmasked: `_prot_rows` clamps the rows
+        x = gl.inline_asm_elementwise(_BF16_F16_X16_PTX, "=r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
+        x = gl.reshape(x, [64, 2, 2, 2, 2, 2, 2])  # channel bits (MSB first) t1 t0 s1 e s0 h
+        x = gl.permute(x, [0, 3, 5, 6, 1, 2, 4])  # k bits (MSB first) s1 s0 h t1 t0 e
+        x = gl.reshape(x, [64, 64])
+        return gl.convert_layout(x, _DOA, assert_trivial=True)
+
+    @gluon.jit
+    def _prot_values_vec(ptr, rows, HALF: gl.constexpr):
+        """The values A fragments of tiles J = 4 HALF + 0..3 by contiguous loads (16 B per token and thread):
+        rows [64] in SliceLayout(1, SliceLayout(2, _LPV)) -> 4 fp16 [64 rows m, 64 tokens] (_DOA)."""
+        R = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _LPV)))
+        c = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _LPV)))
+        off = rows[:, None, None] * 512 + (16 * R[None, :, None] + 8 * HALF + c[None, None, :])
+        x = gl.load(ptr + off)  # unmasked: `_prot_rows` clamps the rows
+        x = gl.inline_asm_elementwise(_BF16_F16_PTX, "=r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
+        x = gl.reshape(x, [64, 4, 8, 2, 2, 2])  # tok, w, r, j1, j0, n  (R = 8w + r, c = 4 j1 + 2 j0 + n)
+        x = gl.permute(x, [1, 5, 2, 0, 3, 4])  # m = (w, n, r), tok, j1, j0
+        x = gl.reshape(x, [64, 64, 2, 2])
+        xa, xb = gl.split(x)  # j0 = 0 / 1
+        f0, f2 = gl.split(xa)  # j1 = 0 / 1
+        f1, f3 = gl.split(xb)
+        return (gl.convert_layout(f0, _DOA, assert_trivial=True), gl.convert_layout(f1, _DOA, assert_trivial=True),
+                gl.convert_layout(f2, _DOA, assert_trivial=True), gl.convert_layout(f3, _DOA, assert_trivial=True))
+
+    @gluon.jit
+    def _prot_rows(t, slot, n_s, n_p, q_hi, layout: gl.constexpr, SINK: gl.constexpr, RING: gl.constexpr):
+        """Protected tile t's 64 row indices (in `layout`), the invalid tokens' clamped to the last valid one's
+        (its finite values: the loads need no mask; the softmax gives those tokens p = 0)."""
+        i = gl.minimum(t * 64 + gl.arange(0, 64, layout=layout), n_p - 1)
+        p = gl.where(i < n_s, i, q_hi + i - n_s)
+        return slot * (SINK + RING) + gl.where(p < SINK, p, SINK + (p - SINK) % (RING + (RING == 0)))
+
     @gluon.jit
     def _issue_tile(cc_ptr, rc_ptr, cs_ptr, cs_s, bt_row, cc_s, rc_s, tn, t_stop, t_lo, C_ROW: gl.constexpr,
                     R_ROW: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, slot, C_SZ_ROW: gl.constexpr):
@@ -455,7 +541,7 @@ fma.rn.f16x2 $3, t, $6, $8;
         H, num_splits, qk_scale,
         C_ROW: gl.constexpr, C_SZ_ROW: gl.constexpr, R_ROW: gl.constexpr, R_SZ_ROW: gl.constexpr,
         PAGE: gl.constexpr, SINK: gl.constexpr, RECENT: gl.constexpr, C_RING: gl.constexpr, R_RING: gl.constexpr,
-        DENORM: gl.constexpr, STAGES: gl.constexpr,
+        DENORM: gl.constexpr, STAGES: gl.constexpr, PROT_VEC: gl.constexpr,
     ):
         split = gl.program_id(0)
         b = gl.program_id(1)
@@ -630,34 +716,59 @@ fma.rn.f16x2 $3, t, $6, $8;
         if SINK + C_RING + R_RING > 0:
             slot = gl.load(slots_ptr + b).to(gl.int64)
             for t in range(gl.maximum(t_start, nt_q) - nt_q, t_end - nt_q):
-                iZ = t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _DOA))
-                vZ = iZ < n_p
-                pZ = gl.where(iZ < n_s, iZ, q_hi + iZ - n_s)
-                rcZ = slot * (SINK + C_RING) + gl.where(pZ < SINK, pZ, SINK + (pZ - SINK) % (C_RING + (C_RING == 0)))
-                rrZ = slot * (SINK + R_RING) + gl.where(pZ < SINK, pZ, SINK + (pZ - SINK) % (R_RING + (R_RING == 0)))
-                S = zero_acc
-                for g in gl.static_range(9):
-                    if g < 8:
-                        S = warpgroup_mma(_prot_scores_frag(pc_ptr, rcZ, vZ, 64 * g, 512), q_s.index(g), S)
-                    else:
-                        S = warpgroup_mma(_prot_scores_frag(pr_ptr, rrZ, vZ, 0, 64), q_r, S)
+                if PROT_VEC:
+                    rcS = _prot_rows(t, slot, n_s, n_p, q_hi, gl.SliceLayout(1, _LPS), SINK, C_RING)
+                    rrS = _prot_rows(t, slot, n_s, n_p, q_hi, gl.SliceLayout(1, _LPS), SINK, R_RING)
+                    S = zero_acc
+                    for g in gl.static_range(9):
+                        if g < 8:
+                            S = warpgroup_mma(_prot_scores_vec(pc_ptr, rcS, 64 * g, 512), q_s.index(g), S)
+                        else:
+                            S = warpgroup_mma(_prot_scores_vec(pr_ptr, rrS, 0, 64), q_r, S)
+                else:
+                    iZ = t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _DOA))
+                    vZ = iZ < n_p
+                    pZ = gl.where(iZ < n_s, iZ, q_hi + iZ - n_s)
+                    rcZ = slot * (SINK + C_RING) + gl.where(pZ < SINK, pZ,
+                                                            SINK + (pZ - SINK) % (C_RING + (C_RING == 0)))
+                    rrZ = slot * (SINK + R_RING) + gl.where(pZ < SINK, pZ,
+                                                            SINK + (pZ - SINK) % (R_RING + (R_RING == 0)))
+                    S = zero_acc
+                    for g in gl.static_range(9):
+                        if g < 8:
+                            S = warpgroup_mma(_prot_scores_frag(pc_ptr, rcZ, vZ, 64 * g, 512), q_s.index(g), S)
+                        else:
+                            S = warpgroup_mma(_prot_scores_frag(pr_ptr, rrZ, vZ, 0, 64), q_r, S)
                 S = S * qk_scale
                 iM = t * 64 + tokM
                 p, alpha, grew, m_i, l_i = _softmax(S, iM < n_p, m_i, l_i)
-                iA = t * 64 + tokA
-                vA = iA < n_p
-                pA = gl.where(iA < n_s, iA, q_hi + iA - n_s)
-                rcA = slot * (SINK + C_RING) + gl.where(pA < SINK, pA, SINK + (pA - SINK) % (C_RING + (C_RING == 0)))
-                _stage_p(p, p_s)
-                a0, a1, a2, a3, a4, a5, a6, a7 = _rescale(alpha, grew, a0, a1, a2, a3, a4, a5, a6, a7)
-                a0, a1 = _mma2(p_s, a0, a1, (_prot_values_frag(pc_ptr, rcA, vA, 0),
-                                             _prot_values_frag(pc_ptr, rcA, vA, 1)))
-                a2, a3 = _mma2(p_s, a2, a3, (_prot_values_frag(pc_ptr, rcA, vA, 2),
-                                             _prot_values_frag(pc_ptr, rcA, vA, 3)))
-                a4, a5 = _mma2(p_s, a4, a5, (_prot_values_frag(pc_ptr, rcA, vA, 4),
-                                             _prot_values_frag(pc_ptr, rcA, vA, 5)))
-                a6, a7 = _mma2(p_s, a6, a7, (_prot_values_frag(pc_ptr, rcA, vA, 6),
-                                             _prot_values_frag(pc_ptr, rcA, vA, 7)))
+                if PROT_VEC:
+                    rcV = _prot_rows(t, slot, n_s, n_p, q_hi, gl.SliceLayout(1, gl.SliceLayout(2, _LPV)), SINK,
+                                     C_RING)
+                    _stage_p(p, p_s)
+                    a0, a1, a2, a3, a4, a5, a6, a7 = _rescale(alpha, grew, a0, a1, a2, a3, a4, a5, a6, a7)
+                    f0, f1, f2, f3 = _prot_values_vec(pc_ptr, rcV, 0)
+                    a0, a1 = _mma2(p_s, a0, a1, (f0, f1))
+                    a2, a3 = _mma2(p_s, a2, a3, (f2, f3))
+                    f4, f5, f6, f7 = _prot_values_vec(pc_ptr, rcV, 1)
+                    a4, a5 = _mma2(p_s, a4, a5, (f4, f5))
+                    a6, a7 = _mma2(p_s, a6, a7, (f6, f7))
+                else:
+                    iA = t * 64 + tokA
+                    vA = iA < n_p
+                    pA = gl.where(iA < n_s, iA, q_hi + iA - n_s)
+                    rcA = slot * (SINK + C_RING) + gl.where(pA < SINK, pA,
+                                                            SINK + (pA - SINK) % (C_RING + (C_RING == 0)))
+                    _stage_p(p, p_s)
+                    a0, a1, a2, a3, a4, a5, a6, a7 = _rescale(alpha, grew, a0, a1, a2, a3, a4, a5, a6, a7)
+                    a0, a1 = _mma2(p_s, a0, a1, (_prot_values_frag(pc_ptr, rcA, vA, 0),
+                                                 _prot_values_frag(pc_ptr, rcA, vA, 1)))
+                    a2, a3 = _mma2(p_s, a2, a3, (_prot_values_frag(pc_ptr, rcA, vA, 2),
+                                                 _prot_values_frag(pc_ptr, rcA, vA, 3)))
+                    a4, a5 = _mma2(p_s, a4, a5, (_prot_values_frag(pc_ptr, rcA, vA, 4),
+                                                 _prot_values_frag(pc_ptr, rcA, vA, 5)))
+                    a6, a7 = _mma2(p_s, a6, a7, (_prot_values_frag(pc_ptr, rcA, vA, 6),
+                                                 _prot_values_frag(pc_ptr, rcA, vA, 7)))
 
         ok = l_i > 0
         l_safe = gl.where(ok, l_i, 1.0)
@@ -734,6 +845,12 @@ def _stages() -> int:
     return n
 
 
+def _prot_vec() -> bool:
+    """Protected rows by contiguous 16-byte loads ($QUANTMLA_GLUON_PROT_VEC, default 1; 0: the old 2-byte
+    gathers in fragment order)."""
+    return os.environ.get("QUANTMLA_GLUON_PROT_VEC", "1") != "0"
+
+
 def mla_decode_gluon(
     q_nope_absorbed: torch.Tensor,
     q_pe: torch.Tensor,
@@ -749,6 +866,7 @@ def mla_decode_gluon(
     num_sms: int | None = None,
     denorm: bool | None = None,
     stages: int | None = None,
+    prot_vec: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. num_splits: None picks enough programs for two CTAs per SM, no split under
     512 tokens (the Triton kernel's rule). Raises ValueError naming what it does not support."""
@@ -784,7 +902,7 @@ def mla_decode_gluon(
         part_o, part_lse, H, num_splits, sm_scale * LOG2E,
         c.codes.stride(1), c.scale.stride(1), r.codes.stride(1), r.scale.stride(1),
         cache.block_size, cache.sink, cache.recent, *cache.rings, _denorm() if denorm is None else denorm,
-        _stages() if stages is None else stages,
+        _stages() if stages is None else stages, _prot_vec() if prot_vec is None else prot_vec,
         num_warps=NUM_WARPS,
     )  # fmt: skip
     if num_splits > 1:
