@@ -191,22 +191,35 @@ def emulate_values_fragments(codes: torch.Tensor, scale: torch.Tensor, zero: tor
     return out
 
 
+def _bf16_pair_emu(x: torch.Tensor, y: torch.Tensor, mul1: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_BF16_PAIR_PTX` on packs of 2 along the last dim: x = (x0, x1), y = (y0, y1) -> (x0, y0), (x1, y1) * mul1."""
+    x, y = x.double(), y.double()
+    o0 = torch.stack([x[..., 0::2], y[..., 0::2]], -1).flatten(-2)
+    o1 = torch.stack([x[..., 1::2], y[..., 1::2]], -1).flatten(-2) * mul1
+    return o0, o1
+
+
 def emulate_prot_scores_fragment(x: torch.Tensor) -> torch.Tensor:
-    """Protected rows x [64 tokens, 64 channels of a group] -> the scores A fragment [64, 64] float64 the
-    kernel's way (`_prot_scores_vec`: odd channels times 16, then the reshape / permute relabelling)."""
-    x = x.double() * torch.tensor([16.0 if c & 1 else 1.0 for c in range(64)], dtype=torch.float64)
-    return x.reshape(64, 2, 2, 2, 2, 2, 2).permute(0, 3, 5, 6, 1, 2, 4).reshape(64, 64)
+    """Protected rows x [64 tokens, 64 channels of a group] -> the scores A fragment [64, 64] float64 by the
+    kernel's chain (`_prot_scores_vec`: permute, split, re-pairing PTX with x 16 on odd channels, join, permute)."""
+    x = x.double().reshape(64, 2, 2, 2, 2, 2, 2).permute(0, 1, 2, 3, 5, 6, 4)
+    y0, y1 = _bf16_pair_emu(x[..., 0], x[..., 1], 16.0)
+    y = torch.stack([y0, y1], -1).permute(0, 3, 4, 6, 1, 2, 5)
+    return y.reshape(64, 64)
 
 
 def emulate_prot_values_fragments(x: torch.Tensor) -> torch.Tensor:
-    """Protected rows x [64 tokens, 512] -> the values A fragments [8 tiles J, 64 rows m, 64 tokens] float64
-    the kernel's way (`_prot_values_vec`, both halves: channel 16R + 8 half + c, relabel, split twice)."""
+    """Protected rows x [64 tokens, 512] -> the values A fragments [8 tiles J, 64 rows m, 64 tokens] float64 by
+    the kernel's chain (`_prot_values_vec`, both halves: channel 16R + 8 half + c, split the token pairs,
+    re-pairing PTX, join, relabel, split twice)."""
     out = []
     for half in range(2):
         xh = x.double().reshape(64, 32, 16)[:, :, 8 * half: 8 * half + 8]
-        y = xh.reshape(64, 4, 8, 2, 2, 2).permute(1, 5, 2, 0, 3, 4).reshape(64, 64, 2, 2)
-        xa, xb = y[..., 0], y[..., 1]  # gl.split: j0
-        out += [xa[..., 0], xb[..., 0], xa[..., 1], xb[..., 1]]  # f0, f1, f2, f3
+        xh = xh.reshape(32, 2, 32, 8).permute(0, 2, 3, 1)
+        y0, y1 = _bf16_pair_emu(xh[..., 0], xh[..., 1])
+        y = torch.stack([y0, y1], -1).reshape(32, 4, 8, 2, 2, 2, 2).permute(1, 6, 2, 0, 5, 3, 4).reshape(64, 64, 2, 2)
+        ya, yb = y[..., 0], y[..., 1]  # gl.split: j0
+        out += [ya[..., 0], yb[..., 0], ya[..., 1], yb[..., 1]]  # f0, f1, f2, f3
     return torch.stack(out)
 
 
@@ -448,33 +461,37 @@ fma.rn.f16x2 $3, t, $6, $8;
         lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
         warp_bases=[[0, 8, 0], [0, 16, 0]], block_bases=[], shape=[64, 32, 8]))
 
-    # bf16x2 -> f16x2 (element 0 in the low half): both halves widened to fp32 exactly, one cvt (round to
-    # nearest); the scores' variant also multiplies element 1 (an odd channel: a high-nibble column) by 16.
-    _BF16_F16_PTX = gl.constexpr("""{
+    # Two bf16x2 words -> two f16x2 words, re-paired so that each output holds the fragment's register pair:
+    # inputs x ($2) = (x0, x1), y ($3) = (y0, y1) -> $0 = (x0, y0), $1 = (x1, y1) (element 0 in the low half);
+    # each bf16 widened to fp32 exactly (shl / and), one cvt per pair (round to nearest). The scores' variant
+    # multiplies $1's pair by 16 in fp32 (exact): element 1 of an input is an odd channel (a high-nibble column).
+    _BF16_PAIR_PTX = gl.constexpr("""{
 .reg .b32 a, b;
-and.b32 a, $1, 0xFFFF0000;
-shl.b32 b, $1, 16;
-cvt.rn.f16x2.f32 $0, a, b;
+shl.b32 a, $2, 16;
+shl.b32 b, $3, 16;
+cvt.rn.f16x2.f32 $0, b, a;
+and.b32 a, $2, 0xFFFF0000;
+and.b32 b, $3, 0xFFFF0000;
+cvt.rn.f16x2.f32 $1, b, a;
 }""")
-    _BF16_F16_X16_PTX = gl.constexpr("""{
-.reg .b32 a, b;
-and.b32 a, $1, 0xFFFF0000;
-shl.b32 b, $1, 16;
-mul.f32 a, a, 0f41800000;
-cvt.rn.f16x2.f32 $0, a, b;
-}""")
+    _BF16_PAIR_X16_PTX = gl.constexpr(_BF16_PAIR_PTX.value.replace(
+        "cvt.rn.f16x2.f32 $1, b, a;",
+        "mul.f32 a, a, 0f41800000;\nmul.f32 b, b, 0f41800000;\ncvt.rn.f16x2.f32 $1, b, a;"))
 
     @gluon.jit
     def _prot_scores_vec(ptr, rows, CH0: gl.constexpr, DIM: gl.constexpr):
         """`_prot_scores_frag` by contiguous loads: rows [64] in SliceLayout(1, _LPS); the [64, 64]
-        channel-order chunk (times 16 on odd channels = the high-nibble columns) relabelled to the fragment."""
+        channel-order chunk relabelled to the fragment (odd channels = high-nibble columns times 16)."""
         c = gl.arange(0, 64, layout=gl.SliceLayout(0, _LPS))
         x = gl.load(ptr + rows[:, None] * DIM + CH0 + c[None, :])  # unmasked: `_prot_rows` clamps the rows
-        x = gl.inline_asm_elementwise(_BF16_F16_X16_PTX, "=r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
         x = gl.reshape(x, [64, 2, 2, 2, 2, 2, 2])  # channel bits (MSB first) t1 t0 s1 e s0 h
-        x = gl.permute(x, [0, 3, 5, 6, 1, 2, 4])  # k bits (MSB first) s1 s0 h t1 t0 e
-        x = gl.reshape(x, [64, 64])
-        return gl.convert_layout(x, _DOA, assert_trivial=True)
+        x0, x1 = gl.split(gl.permute(x, [0, 1, 2, 3, 5, 6, 4]))  # e = 0 / 1: [64, t1, t0, s1, s0, h]
+        # words (h = 0, 1) of e = 0 and of e = 1 -> y0 = the pair (e = 0, 1) of h = 0, y1 = that of h = 1 (x 16)
+        y0, y1 = gl.inline_asm_elementwise(_BF16_PAIR_X16_PTX, "=r,=r,r,r", [x0, x1],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+        y = gl.join(y0, y1)  # [64, t1, t0, s1, s0, e, h]: the last-but-one index is now e, the joined one h
+        y = gl.permute(y, [0, 3, 4, 6, 1, 2, 5])  # k bits (MSB first) s1 s0 h t1 t0 e
+        return gl.convert_layout(gl.reshape(y, [64, 64]), _DOA, assert_trivial=True)
 
     @gluon.jit
     def _prot_values_vec(ptr, rows, HALF: gl.constexpr):
@@ -484,13 +501,18 @@ cvt.rn.f16x2.f32 $0, a, b;
         c = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _LPV)))
         off = rows[:, None, None] * 512 + (16 * R[None, :, None] + 8 * HALF + c[None, None, :])
         x = gl.load(ptr + off)  # unmasked: `_prot_rows` clamps the rows
-        x = gl.inline_asm_elementwise(_BF16_F16_PTX, "=r,r", [x], dtype=gl.float16, is_pure=True, pack=2)
-        x = gl.reshape(x, [64, 4, 8, 2, 2, 2])  # tok, w, r, j1, j0, n  (R = 8w + r, c = 4 j1 + 2 j0 + n)
-        x = gl.permute(x, [1, 5, 2, 0, 3, 4])  # m = (w, n, r), tok, j1, j0
-        x = gl.reshape(x, [64, 64, 2, 2])
-        xa, xb = gl.split(x)  # j0 = 0 / 1
-        f0, f2 = gl.split(xa)  # j1 = 0 / 1
-        f1, f3 = gl.split(xb)
+        x = gl.reshape(x, [32, 2, 32, 8])  # token = 2 p + tb
+        xa, xb = gl.split(gl.permute(x, [0, 2, 3, 1]))  # tb = 0 / 1: [32 p, 32 R, 8 c]
+        # words (n = 0, 1) of tokens 2p, 2p+1 -> y0 = the token pair of n = 0, y1 = that of n = 1
+        y0, y1 = gl.inline_asm_elementwise(_BF16_PAIR_PTX, "=r,=r,r,r", [xa, xb], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=2)
+        y = gl.join(y0, y1)  # [32 p, 32 R, 8 (j1 j0 tb), 2 n]
+        y = gl.reshape(y, [32, 4, 8, 2, 2, 2, 2])  # p, w, r, j1, j0, tb, n  (R = 8w + r)
+        y = gl.permute(y, [1, 6, 2, 0, 5, 3, 4])  # m = (w, n, r), token = (p, tb), j1, j0
+        y = gl.reshape(y, [64, 64, 2, 2])
+        ya, yb = gl.split(y)  # j0 = 0 / 1
+        f0, f2 = gl.split(ya)  # j1 = 0 / 1
+        f1, f3 = gl.split(yb)
         return (gl.convert_layout(f0, _DOA, assert_trivial=True), gl.convert_layout(f1, _DOA, assert_trivial=True),
                 gl.convert_layout(f2, _DOA, assert_trivial=True), gl.convert_layout(f3, _DOA, assert_trivial=True))
 
