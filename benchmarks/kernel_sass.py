@@ -136,7 +136,7 @@ def _gluon(args):
                 slots_ptr="i32", o_ptr="fp32", lse_ptr="fp32")
     consts = dict(C_ROW=256, C_SZ_ROW=8, R_ROW=32, R_SZ_ROW=1, PAGE=args.page, SINK=args.sink, RECENT=args.recent,
                   C_RING=args.recent, R_RING=args.recent, DENORM=not args.no_denorm, STAGES=args.stages,
-                  PROT_VEC=not args.prot_gather)
+                  PROT_VEC=not args.prot_gather, PROT_PREFETCH=not args.no_prefetch)
     consts.update(args.const)
     fn = mg._gluon_decode_kernel
     for name in (p.name for p in fn.params if p.is_constexpr):
@@ -181,6 +181,7 @@ def main(argv=None):
                     help="cache format (--kernel triton only; the Gluon kernel is INT4/INT4)")
     ap.add_argument("--stages", type=int, default=3, help="Gluon codes-ring depth (STAGES)")
     ap.add_argument("--prot-gather", action="store_true", help="Gluon PROT_VEC=False (the old protected loads)")
+    ap.add_argument("--no-prefetch", action="store_true", help="Gluon PROT_PREFETCH=False")
     ap.add_argument("--no-denorm", action="store_true", help="Gluon DENORM=False")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--sink", type=int, default=4)

@@ -243,6 +243,17 @@ def test_kernel_matches_reference(H, splits, out_dtype, denorm):
 
 
 @needs_hopper
+@pytest.mark.parametrize("prot_vec,prot_prefetch", [(False, False), (True, False), (False, True)])
+def test_kernel_protected_path_variants(prot_vec, prot_prefetch):
+    """The old protected-row gathers (PROT_VEC=False) and the L2 prefetch switched off stay correct."""
+    cache, table, seq_lens, slots = fill(LENS)
+    qn, qp = queries(len(LENS), 16)
+    out, lse = mg.mla_decode_gluon(qn, qp, cache, table, seq_lens, slots, 0.07, max_seq_len=max(LENS),
+                                   num_splits=3, prot_vec=prot_vec, prot_prefetch=prot_prefetch)
+    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, sm_scale=0.07))
+
+
+@needs_hopper
 def test_kernel_default_splits_and_no_sink():
     cache, table, seq_lens, slots = fill([70, 3000, 0, 64], sink=0, recent=16)
     qn, qp = queries(4, 16)

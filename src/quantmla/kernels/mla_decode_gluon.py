@@ -40,6 +40,15 @@ one page; the tile arithmetic, split rule, protected-row addressing and the comb
   - online softmax in base 2 (running max / sum per head), protected BF16 rows (sink + ring) through the same
     MMAs with the fragments loaded from bf16 rows, split-K over `num_splits` merged by the Triton
     `_combine_kernel`, lse out.
+  - protected rows (PROT_VEC, env QUANTMLA_GLUON_PROT_VEC=0 for the old 2-byte gathers): each thread's fragment
+    elements are contiguous in memory (scores: channels 16t..16t+15 of a group for its 2 tokens; values:
+    channels 16R..16R+15 for its 16 tokens), so they load as LDG.128 (68 per thread and tile instead of 544
+    LDG.U16) in layouts `_LPS` / `_LPV` and become the fragments by reshape / permute / split / join
+    relabellings (assert_trivial) and one PTX per two words (`_BF16_PAIR_PTX`: widen, cvt, re-pair into the
+    fragment's register pairs; x 16 on the high-nibble columns for the scores); invalid tokens read the last
+    valid row (no masks; p = 0 drops them). PROT_PREFETCH (env QUANTMLA_GLUON_PROT_PREFETCH=0 off) issues
+    prefetch.global.L2 of the CTA's protected tiles at kernel start, so they arrive while the body loop runs.
+    `emulate_prot_scores_fragment` / `emulate_prot_values_fragments` mirror the relabelling chains on the CPU.
   - the codes of each body tile (content [8 groups, 64 tokens, 32 B], rope [64, 32 B]) are copied by cp.async
     (16 B per thread and copy) into a shared-memory ring of STAGES slots, STAGES - 1 tiles ahead (one commit
     group per tile; tiles past the split's end copy nothing); the scores and values fragments read the same
@@ -55,12 +64,17 @@ The fragment index maps are mirrored in plain torch (`emulate_scores_fragment`, 
 `DENORM=False` (env QUANTMLA_GLUON_DENORM=0, or denorm=False) replaces the subnormal scores fragments by
 (1024 + code) - 1024 (exact, 4 more f16x2 subtractions per word), should a device flush fp16 subnormals in wgmma.
 
+Protected rows (offline sm_90 SASS, Triton 3.6, `python benchmarks/kernel_sass.py --kernel gluon`): the
+protected loop 1781 instructions per tile (PROT_VEC=0: 2822), 68 LDG.E.128 (was 544 LDG.E.U16), 0 PRMT (was
+544), 13 LDL of loop-invariants from a 64-byte stack (was 18 from 144 bytes); the prefetch loop 88 instructions
+(5 CCTL.E.PF2 per thread and tile); body loop unchanged (1515 vs 1521); 255 registers, 80 KB shared memory.
+NOT YET RUN ON A GPU.
 Ring (STAGES=3, offline sm_90 SASS): body loop 1521 instructions per tile with the rescale branch (1554
 direct), 10 LDGSTS.128 + 34 LDS.64 + 16 LDS.U16 in place of 34 LDG.64 + 16 LDG.U16; 44 LDG.U16 (zeros,
 values' scales) left; 255 registers, no local memory in the body loop (144 bytes of stack, for the protected
 rows), 80 KB shared memory (Q^T now 18 KB instead of 32; STAGES=0: 22 KB).
 NOT YET RUN ON A GPU.
-Before the ring, compiled for sm_90 with Triton 3.6 (runs/sass_gluon.py, offline): the body loop is 1448 SASS
+Before the ring, compiled for sm_90 with Triton 3.6 (offline; now benchmarks/kernel_sass.py): the body loop is 1448 SASS
 instructions per warp per 64-token tile on tiles without a rescale (90.5 warp-instructions per cached token;
 1554 = 97 with the rescale branch) against the Triton INT4 kernel's 1519 (95; BF16: 934 = 58): about as many
 instructions, but no dequantized tile through shared memory (in the loop: P^T once by STSM, plus the two softmax
@@ -524,6 +538,24 @@ cvt.rn.f16x2.f32 $1, b, a;
         p = gl.where(i < n_s, i, q_hi + i - n_s)
         return slot * (SINK + RING) + gl.where(p < SINK, p, SINK + (p - SINK) % (RING + (RING == 0)))
 
+    _PF = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]))  # [64 tokens, 8 lines]: 4 per thread
+    _PF1 = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # [64 tokens] (each on 2 threads)
+    _PREFETCH_PTX = gl.constexpr("prefetch.global.L2 [$1];\nmov.b32 $0, 0;")
+
+    @gluon.jit
+    def _prefetch_prot(pc_ptr, pr_ptr, t0, t1, slot, n_s, n_p, q_hi, SINK: gl.constexpr, C_RING: gl.constexpr,
+                       R_RING: gl.constexpr):
+        """prefetch.global.L2 of protected tiles t0..t1-1 (content: 8 lines of 128 B per row, rope: 1), issued
+        before the body loop so that the protected loop's loads hit L2."""
+        ln = gl.arange(0, 8, layout=gl.SliceLayout(0, _PF))
+        for t in range(t0, t1):
+            rc = _prot_rows(t, slot, n_s, n_p, q_hi, gl.SliceLayout(1, _PF), SINK, C_RING)
+            gl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [pc_ptr + rc[:, None] * 512 + 64 * ln[None, :]],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+            rr = _prot_rows(t, slot, n_s, n_p, q_hi, _PF1, SINK, R_RING)
+            gl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [pr_ptr + rr * 64], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+
     @gluon.jit
     def _issue_tile(cc_ptr, rc_ptr, cs_ptr, cs_s, bt_row, cc_s, rc_s, tn, t_stop, t_lo, C_ROW: gl.constexpr,
                     R_ROW: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, slot, C_SZ_ROW: gl.constexpr):
@@ -564,6 +596,7 @@ cvt.rn.f16x2.f32 $1, b, a;
         C_ROW: gl.constexpr, C_SZ_ROW: gl.constexpr, R_ROW: gl.constexpr, R_SZ_ROW: gl.constexpr,
         PAGE: gl.constexpr, SINK: gl.constexpr, RECENT: gl.constexpr, C_RING: gl.constexpr, R_RING: gl.constexpr,
         DENORM: gl.constexpr, STAGES: gl.constexpr, PROT_VEC: gl.constexpr,
+        PROT_PREFETCH: gl.constexpr,
     ):
         split = gl.program_id(0)
         b = gl.program_id(1)
@@ -578,6 +611,10 @@ cvt.rn.f16x2.f32 $1, b, a;
         per_split = (nt + num_splits - 1) // num_splits
         t_start = split * per_split
         t_end = gl.minimum(t_start + per_split, nt)
+        if PROT_PREFETCH:  # first, so that the protected loop's loads (after the body loop) hit L2
+            if SINK + C_RING + R_RING > 0:
+                _prefetch_prot(pc_ptr, pr_ptr, gl.maximum(t_start, nt_q) - nt_q, t_end - nt_q,
+                               gl.load(slots_ptr + b).to(gl.int64), n_s, n_p, q_hi, SINK, C_RING, R_RING)
 
         # --- Q^T in shared memory: 9 chunks [64 k, 16 heads] (scores_channel order), and the zero-term B ----
         q_s = gl.allocate_shared_memory(gl.float16, [8, 64, 16], _QSL)  # content chunks (power-of-two shapes)
@@ -873,6 +910,11 @@ def _prot_vec() -> bool:
     return os.environ.get("QUANTMLA_GLUON_PROT_VEC", "1") != "0"
 
 
+def _prot_prefetch() -> bool:
+    """L2 prefetch of the protected tiles before the body loop ($QUANTMLA_GLUON_PROT_PREFETCH, default 1)."""
+    return os.environ.get("QUANTMLA_GLUON_PROT_PREFETCH", "1") != "0"
+
+
 def mla_decode_gluon(
     q_nope_absorbed: torch.Tensor,
     q_pe: torch.Tensor,
@@ -889,6 +931,7 @@ def mla_decode_gluon(
     denorm: bool | None = None,
     stages: int | None = None,
     prot_vec: bool | None = None,
+    prot_prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. num_splits: None picks enough programs for two CTAs per SM, no split under
     512 tokens (the Triton kernel's rule). Raises ValueError naming what it does not support."""
@@ -925,6 +968,7 @@ def mla_decode_gluon(
         c.codes.stride(1), c.scale.stride(1), r.codes.stride(1), r.scale.stride(1),
         cache.block_size, cache.sink, cache.recent, *cache.rings, _denorm() if denorm is None else denorm,
         _stages() if stages is None else stages, _prot_vec() if prot_vec is None else prot_vec,
+        _prot_prefetch() if prot_prefetch is None else prot_prefetch,
         num_warps=NUM_WARPS,
     )  # fmt: skip
     if num_splits > 1:
