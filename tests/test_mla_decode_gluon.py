@@ -94,6 +94,18 @@ def test_values_fragments_hold_the_mapped_channels():
             torch.testing.assert_close(f[j, m], want, rtol=0, atol=1e-12)
 
 
+def test_protected_fragments_hold_the_mapped_channels():
+    x = torch.randn(64, 512)
+    f = mg.emulate_prot_scores_fragment(x[:, 64:128])
+    for k in range(64):
+        ch, hi = mg.scores_channel(k)
+        assert torch.equal(f[:, k], x[:, 64 + ch].double() * (16.0 if hi else 1.0)), k
+    v = mg.emulate_prot_values_fragments(x)
+    for j in range(8):
+        for m in range(64):
+            assert torch.equal(v[j, m], x[:, mg.values_channel(j, m)].double()), (j, m)
+
+
 def test_values_fragments_catch_a_wrong_map():
     """The check above can fail: a fragment with two channels swapped is caught."""
     codes = torch.arange(64 * 256).remainder(251).to(torch.uint8).view(64, 256)
@@ -146,16 +158,20 @@ def emulated_decode(qn, qp, cache, table, seq_lens, slots, sm_scale, num_splits=
                 else:
                     i = (t - nt_q) * 64 + torch.arange(64)
                     valid = i < n_p
-                    p = torch.where(i < n_s, i, q_hi + i - n_s)
+                    ic = i.clamp(max=n_p - 1)  # `_prot_rows`: invalid tokens read the last valid row
+                    p = torch.where(ic < n_s, ic, q_hi + ic - n_s)
                     rr = int(slots[b]) * (SINK + ring) + torch.where(p < SINK, p, SINK + (p - SINK) % max(ring, 1))
-                    rr = torch.where(valid, rr, 0)
                     xc = cache.protected_content.reshape(-1, 512)[rr.to(cache.protected_content.device)].cpu().double()
                     xr = cache.protected_rope.reshape(-1, 64)[rr.to(cache.protected_rope.device)].cpu().double()
-                    xc = torch.where(valid[:, None], xc, 0.0)
-                    xr = torch.where(valid[:, None], xr, 0.0)
-                    S = (xc @ qn[b].cpu().double().T + xr @ qp[b].cpu().double().T) * qk
+                    # the kernel's fragments (rows clamped, not masked: p = 0 drops the invalid tokens)
+                    S = sum(mg.emulate_prot_scores_fragment(xc[:, 64 * g: 64 * g + 64]) @ q16[g] for g in range(8))
+                    S = (S + mg.emulate_prot_scores_fragment(xr) @ q16[8]) * qk
                     S = torch.where(valid[:, None], S, -math.inf)
-                    x = xc
+                    frags = mg.emulate_prot_values_fragments(xc)
+                    x = torch.zeros(64, 512, dtype=torch.float64)
+                    for j in range(8):
+                        for m in range(64):
+                            x[:, mg.values_channel(j, m)] = frags[j, m]
                 m_new = torch.maximum(m_i, S.max(0).values)
                 alpha = torch.exp2(m_i - m_new)
                 pm = torch.exp2(S - m_new[None, :])
@@ -224,6 +240,17 @@ def test_kernel_matches_reference(H, splits, out_dtype, denorm):
     assert out.dtype == out_dtype and lse.dtype == torch.float32
     ref_out, ref_lse = mla_decode_reference(qn, qp, cache, table, seq_lens, slots, sm_scale=0.07)
     check(out, lse, ref_out, ref_lse)
+
+
+@needs_hopper
+@pytest.mark.parametrize("prot_vec,prot_prefetch", [(False, False), (True, False), (False, True)])
+def test_kernel_protected_path_variants(prot_vec, prot_prefetch):
+    """The old protected-row gathers (PROT_VEC=False) and the L2 prefetch switched off stay correct."""
+    cache, table, seq_lens, slots = fill(LENS)
+    qn, qp = queries(len(LENS), 16)
+    out, lse = mg.mla_decode_gluon(qn, qp, cache, table, seq_lens, slots, 0.07, max_seq_len=max(LENS),
+                                   num_splits=3, prot_vec=prot_vec, prot_prefetch=prot_prefetch)
+    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, sm_scale=0.07))
 
 
 @needs_hopper

@@ -40,6 +40,15 @@ one page; the tile arithmetic, split rule, protected-row addressing and the comb
   - online softmax in base 2 (running max / sum per head), protected BF16 rows (sink + ring) through the same
     MMAs with the fragments loaded from bf16 rows, split-K over `num_splits` merged by the Triton
     `_combine_kernel`, lse out.
+  - protected rows (PROT_VEC, env QUANTMLA_GLUON_PROT_VEC=0 for the old 2-byte gathers): each thread's fragment
+    elements are contiguous in memory (scores: channels 16t..16t+15 of a group for its 2 tokens; values:
+    channels 16R..16R+15 for its 16 tokens), so they load as LDG.128 (68 per thread and tile instead of 544
+    LDG.U16) in layouts `_LPS` / `_LPV` and become the fragments by reshape / permute / split / join
+    relabellings (assert_trivial) and one PTX per two words (`_BF16_PAIR_PTX`: widen, cvt, re-pair into the
+    fragment's register pairs; x 16 on the high-nibble columns for the scores); invalid tokens read the last
+    valid row (no masks; p = 0 drops them). PROT_PREFETCH (env QUANTMLA_GLUON_PROT_PREFETCH=0 off) issues
+    prefetch.global.L2 of the CTA's protected tiles at kernel start, so they arrive while the body loop runs.
+    `emulate_prot_scores_fragment` / `emulate_prot_values_fragments` mirror the relabelling chains on the CPU.
   - the codes of each body tile (content [8 groups, 64 tokens, 32 B], rope [64, 32 B]) are copied by cp.async
     (16 B per thread and copy) into a shared-memory ring of STAGES slots, STAGES - 1 tiles ahead (one commit
     group per tile; tiles past the split's end copy nothing); the scores and values fragments read the same
@@ -55,12 +64,17 @@ The fragment index maps are mirrored in plain torch (`emulate_scores_fragment`, 
 `DENORM=False` (env QUANTMLA_GLUON_DENORM=0, or denorm=False) replaces the subnormal scores fragments by
 (1024 + code) - 1024 (exact, 4 more f16x2 subtractions per word), should a device flush fp16 subnormals in wgmma.
 
+Protected rows (offline sm_90 SASS, Triton 3.6, `python benchmarks/kernel_sass.py --kernel gluon`): the
+protected loop 1781 instructions per tile (PROT_VEC=0: 2822), 68 LDG.E.128 (was 544 LDG.E.U16), 0 PRMT (was
+544), 13 LDL of loop-invariants from a 64-byte stack (was 18 from 144 bytes); the prefetch loop 88 instructions
+(5 CCTL.E.PF2 per thread and tile); body loop unchanged (1515 vs 1521); 255 registers, 80 KB shared memory.
+NOT YET RUN ON A GPU.
 Ring (STAGES=3, offline sm_90 SASS): body loop 1521 instructions per tile with the rescale branch (1554
 direct), 10 LDGSTS.128 + 34 LDS.64 + 16 LDS.U16 in place of 34 LDG.64 + 16 LDG.U16; 44 LDG.U16 (zeros,
 values' scales) left; 255 registers, no local memory in the body loop (144 bytes of stack, for the protected
 rows), 80 KB shared memory (Q^T now 18 KB instead of 32; STAGES=0: 22 KB).
 NOT YET RUN ON A GPU.
-Before the ring, compiled for sm_90 with Triton 3.6 (runs/sass_gluon.py, offline): the body loop is 1448 SASS
+Before the ring, compiled for sm_90 with Triton 3.6 (offline; now benchmarks/kernel_sass.py): the body loop is 1448 SASS
 instructions per warp per 64-token tile on tiles without a rescale (90.5 warp-instructions per cached token;
 1554 = 97 with the rescale branch) against the Triton INT4 kernel's 1519 (95; BF16: 934 = 58): about as many
 instructions, but no dequantized tile through shared memory (in the loop: P^T once by STSM, plus the two softmax
@@ -189,6 +203,38 @@ def emulate_values_fragments(codes: torch.Tensor, scale: torch.Tensor, zero: tor
             for j1 in range(2):
                 out[j1 + 2 * u + 4 * j2] = y[..., j1]
     return out
+
+
+def _bf16_pair_emu(x: torch.Tensor, y: torch.Tensor, mul1: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_BF16_PAIR_PTX` on packs of 2 along the last dim: x = (x0, x1), y = (y0, y1) -> (x0, y0), (x1, y1) * mul1."""
+    x, y = x.double(), y.double()
+    o0 = torch.stack([x[..., 0::2], y[..., 0::2]], -1).flatten(-2)
+    o1 = torch.stack([x[..., 1::2], y[..., 1::2]], -1).flatten(-2) * mul1
+    return o0, o1
+
+
+def emulate_prot_scores_fragment(x: torch.Tensor) -> torch.Tensor:
+    """Protected rows x [64 tokens, 64 channels of a group] -> the scores A fragment [64, 64] float64 by the
+    kernel's chain (`_prot_scores_vec`: permute, split, re-pairing PTX with x 16 on odd channels, join, permute)."""
+    x = x.double().reshape(64, 2, 2, 2, 2, 2, 2).permute(0, 1, 2, 3, 5, 6, 4)
+    y0, y1 = _bf16_pair_emu(x[..., 0], x[..., 1], 16.0)
+    y = torch.stack([y0, y1], -1).permute(0, 3, 4, 6, 1, 2, 5)
+    return y.reshape(64, 64)
+
+
+def emulate_prot_values_fragments(x: torch.Tensor) -> torch.Tensor:
+    """Protected rows x [64 tokens, 512] -> the values A fragments [8 tiles J, 64 rows m, 64 tokens] float64 by
+    the kernel's chain (`_prot_values_vec`, both halves: channel 16R + 8 half + c, split the token pairs,
+    re-pairing PTX, join, relabel, split twice)."""
+    out = []
+    for half in range(2):
+        xh = x.double().reshape(64, 32, 16)[:, :, 8 * half: 8 * half + 8]
+        xh = xh.reshape(32, 2, 32, 8).permute(0, 2, 3, 1)
+        y0, y1 = _bf16_pair_emu(xh[..., 0], xh[..., 1])
+        y = torch.stack([y0, y1], -1).reshape(32, 4, 8, 2, 2, 2, 2).permute(1, 6, 2, 0, 5, 3, 4).reshape(64, 64, 2, 2)
+        ya, yb = y[..., 0], y[..., 1]  # gl.split: j0
+        out += [ya[..., 0], yb[..., 0], ya[..., 1], yb[..., 1]]  # f0, f1, f2, f3
+    return torch.stack(out)
 
 
 def stage_q(qn: torch.Tensor, qp: torch.Tensor) -> torch.Tensor:
@@ -416,6 +462,100 @@ fma.rn.f16x2 $3, t, $6, $8;
         x = gl.load(ptr + rows[None, :] * 512 + ch[:, None], mask=valid[None, :], other=0.0)
         return x.to(gl.float16)
 
+    # Protected bf16 rows, loaded so that each thread's fragment registers are contiguous in memory (LDG.128):
+    # the scores chunk [64 tokens, 64 channels of a group]: the thread holds channels 16t..16t+15 (t = lane % 4)
+    # of tokens 16w + l//4 (+8), the channels its `scores_channel` fragment columns need, in channel order.
+    _LPS = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 1], [0, 2], [0, 4], [0, 8], [8, 0]], lane_bases=[[0, 16], [0, 32], [1, 0], [2, 0], [4, 0]],
+        warp_bases=[[16, 0], [32, 0]], block_bases=[], shape=[64, 64]))
+    # the values half [64 tokens, 32 R, 8 c] (channel 16R + 8 half + c): the thread holds R = l//4 + 8w, 8
+    # consecutive channels, of its 16 tokens (the A fragment's K: token bits 1, 2 from the lane, the rest regs)
+    _LPV = gl.constexpr(gl.DistributedLinearLayout(
+        reg_bases=[[0, 0, 1], [0, 0, 2], [0, 0, 4], [1, 0, 0], [8, 0, 0], [16, 0, 0], [32, 0, 0]],
+        lane_bases=[[2, 0, 0], [4, 0, 0], [0, 1, 0], [0, 2, 0], [0, 4, 0]],
+        warp_bases=[[0, 8, 0], [0, 16, 0]], block_bases=[], shape=[64, 32, 8]))
+
+    # Two bf16x2 words -> two f16x2 words, re-paired so that each output holds the fragment's register pair:
+    # inputs x ($2) = (x0, x1), y ($3) = (y0, y1) -> $0 = (x0, y0), $1 = (x1, y1) (element 0 in the low half);
+    # each bf16 widened to fp32 exactly (shl / and), one cvt per pair (round to nearest). The scores' variant
+    # multiplies $1's pair by 16 in fp32 (exact): element 1 of an input is an odd channel (a high-nibble column).
+    _BF16_PAIR_PTX = gl.constexpr("""{
+.reg .b32 a, b;
+shl.b32 a, $2, 16;
+shl.b32 b, $3, 16;
+cvt.rn.f16x2.f32 $0, b, a;
+and.b32 a, $2, 0xFFFF0000;
+and.b32 b, $3, 0xFFFF0000;
+cvt.rn.f16x2.f32 $1, b, a;
+}""")
+    _BF16_PAIR_X16_PTX = gl.constexpr(_BF16_PAIR_PTX.value.replace(
+        "cvt.rn.f16x2.f32 $1, b, a;",
+        "mul.f32 a, a, 0f41800000;\nmul.f32 b, b, 0f41800000;\ncvt.rn.f16x2.f32 $1, b, a;"))
+
+    @gluon.jit
+    def _prot_scores_vec(ptr, rows, CH0: gl.constexpr, DIM: gl.constexpr):
+        """`_prot_scores_frag` by contiguous loads: rows [64] in SliceLayout(1, _LPS); the [64, 64]
+        channel-order chunk relabelled to the fragment (odd channels = high-nibble columns times 16)."""
+        c = gl.arange(0, 64, layout=gl.SliceLayout(0, _LPS))
+        x = gl.load(ptr + rows[:, None] * DIM + CH0 + c[None, :])  # unmasked: `_prot_rows` clamps the rows
+        x = gl.reshape(x, [64, 2, 2, 2, 2, 2, 2])  # channel bits (MSB first) t1 t0 s1 e s0 h
+        x0, x1 = gl.split(gl.permute(x, [0, 1, 2, 3, 5, 6, 4]))  # e = 0 / 1: [64, t1, t0, s1, s0, h]
+        # words (h = 0, 1) of e = 0 and of e = 1 -> y0 = the pair (e = 0, 1) of h = 0, y1 = that of h = 1 (x 16)
+        y0, y1 = gl.inline_asm_elementwise(_BF16_PAIR_X16_PTX, "=r,=r,r,r", [x0, x1],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=2)
+        y = gl.join(y0, y1)  # [64, t1, t0, s1, s0, e, h]: the last-but-one index is now e, the joined one h
+        y = gl.permute(y, [0, 3, 4, 6, 1, 2, 5])  # k bits (MSB first) s1 s0 h t1 t0 e
+        return gl.convert_layout(gl.reshape(y, [64, 64]), _DOA, assert_trivial=True)
+
+    @gluon.jit
+    def _prot_values_vec(ptr, rows, HALF: gl.constexpr):
+        """The values A fragments of tiles J = 4 HALF + 0..3 by contiguous loads (16 B per token and thread):
+        rows [64] in SliceLayout(1, SliceLayout(2, _LPV)) -> 4 fp16 [64 rows m, 64 tokens] (_DOA)."""
+        R = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, _LPV)))
+        c = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, _LPV)))
+        off = rows[:, None, None] * 512 + (16 * R[None, :, None] + 8 * HALF + c[None, None, :])
+        x = gl.load(ptr + off)  # unmasked: `_prot_rows` clamps the rows
+        x = gl.reshape(x, [32, 2, 32, 8])  # token = 2 p + tb
+        xa, xb = gl.split(gl.permute(x, [0, 2, 3, 1]))  # tb = 0 / 1: [32 p, 32 R, 8 c]
+        # words (n = 0, 1) of tokens 2p, 2p+1 -> y0 = the token pair of n = 0, y1 = that of n = 1
+        y0, y1 = gl.inline_asm_elementwise(_BF16_PAIR_PTX, "=r,=r,r,r", [xa, xb], dtype=(gl.float16, gl.float16),
+                                           is_pure=True, pack=2)
+        y = gl.join(y0, y1)  # [32 p, 32 R, 8 (j1 j0 tb), 2 n]
+        y = gl.reshape(y, [32, 4, 8, 2, 2, 2, 2])  # p, w, r, j1, j0, tb, n  (R = 8w + r)
+        y = gl.permute(y, [1, 6, 2, 0, 5, 3, 4])  # m = (w, n, r), token = (p, tb), j1, j0
+        y = gl.reshape(y, [64, 64, 2, 2])
+        ya, yb = gl.split(y)  # j0 = 0 / 1
+        f0, f2 = gl.split(ya)  # j1 = 0 / 1
+        f1, f3 = gl.split(yb)
+        return (gl.convert_layout(f0, _DOA, assert_trivial=True), gl.convert_layout(f1, _DOA, assert_trivial=True),
+                gl.convert_layout(f2, _DOA, assert_trivial=True), gl.convert_layout(f3, _DOA, assert_trivial=True))
+
+    @gluon.jit
+    def _prot_rows(t, slot, n_s, n_p, q_hi, layout: gl.constexpr, SINK: gl.constexpr, RING: gl.constexpr):
+        """Protected tile t's 64 row indices (in `layout`), the invalid tokens' clamped to the last valid one's
+        (its finite values: the loads need no mask; the softmax gives those tokens p = 0)."""
+        i = gl.minimum(t * 64 + gl.arange(0, 64, layout=layout), n_p - 1)
+        p = gl.where(i < n_s, i, q_hi + i - n_s)
+        return slot * (SINK + RING) + gl.where(p < SINK, p, SINK + (p - SINK) % (RING + (RING == 0)))
+
+    _PF = gl.constexpr(gl.BlockedLayout([1, 1], [4, 8], [4, 1], [1, 0]))  # [64 tokens, 8 lines]: 4 per thread
+    _PF1 = gl.constexpr(gl.BlockedLayout([1], [32], [4], [0]))  # [64 tokens] (each on 2 threads)
+    _PREFETCH_PTX = gl.constexpr("prefetch.global.L2 [$1];\nmov.b32 $0, 0;")
+
+    @gluon.jit
+    def _prefetch_prot(pc_ptr, pr_ptr, t0, t1, slot, n_s, n_p, q_hi, SINK: gl.constexpr, C_RING: gl.constexpr,
+                       R_RING: gl.constexpr):
+        """prefetch.global.L2 of protected tiles t0..t1-1 (content: 8 lines of 128 B per row, rope: 1), issued
+        before the body loop so that the protected loop's loads hit L2."""
+        ln = gl.arange(0, 8, layout=gl.SliceLayout(0, _PF))
+        for t in range(t0, t1):
+            rc = _prot_rows(t, slot, n_s, n_p, q_hi, gl.SliceLayout(1, _PF), SINK, C_RING)
+            gl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [pc_ptr + rc[:, None] * 512 + 64 * ln[None, :]],
+                                      dtype=gl.int32, is_pure=False, pack=1)
+            rr = _prot_rows(t, slot, n_s, n_p, q_hi, _PF1, SINK, R_RING)
+            gl.inline_asm_elementwise(_PREFETCH_PTX, "=r,l", [pr_ptr + rr * 64], dtype=gl.int32, is_pure=False,
+                                      pack=1)
+
     @gluon.jit
     def _issue_tile(cc_ptr, rc_ptr, cs_ptr, cs_s, bt_row, cc_s, rc_s, tn, t_stop, t_lo, C_ROW: gl.constexpr,
                     R_ROW: gl.constexpr, PAGE: gl.constexpr, STAGES: gl.constexpr, slot, C_SZ_ROW: gl.constexpr):
@@ -455,7 +595,8 @@ fma.rn.f16x2 $3, t, $6, $8;
         H, num_splits, qk_scale,
         C_ROW: gl.constexpr, C_SZ_ROW: gl.constexpr, R_ROW: gl.constexpr, R_SZ_ROW: gl.constexpr,
         PAGE: gl.constexpr, SINK: gl.constexpr, RECENT: gl.constexpr, C_RING: gl.constexpr, R_RING: gl.constexpr,
-        DENORM: gl.constexpr, STAGES: gl.constexpr,
+        DENORM: gl.constexpr, STAGES: gl.constexpr, PROT_VEC: gl.constexpr,
+        PROT_PREFETCH: gl.constexpr,
     ):
         split = gl.program_id(0)
         b = gl.program_id(1)
@@ -470,6 +611,10 @@ fma.rn.f16x2 $3, t, $6, $8;
         per_split = (nt + num_splits - 1) // num_splits
         t_start = split * per_split
         t_end = gl.minimum(t_start + per_split, nt)
+        if PROT_PREFETCH:  # first, so that the protected loop's loads (after the body loop) hit L2
+            if SINK + C_RING + R_RING > 0:
+                _prefetch_prot(pc_ptr, pr_ptr, gl.maximum(t_start, nt_q) - nt_q, t_end - nt_q,
+                               gl.load(slots_ptr + b).to(gl.int64), n_s, n_p, q_hi, SINK, C_RING, R_RING)
 
         # --- Q^T in shared memory: 9 chunks [64 k, 16 heads] (scores_channel order), and the zero-term B ----
         q_s = gl.allocate_shared_memory(gl.float16, [8, 64, 16], _QSL)  # content chunks (power-of-two shapes)
@@ -630,34 +775,59 @@ fma.rn.f16x2 $3, t, $6, $8;
         if SINK + C_RING + R_RING > 0:
             slot = gl.load(slots_ptr + b).to(gl.int64)
             for t in range(gl.maximum(t_start, nt_q) - nt_q, t_end - nt_q):
-                iZ = t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _DOA))
-                vZ = iZ < n_p
-                pZ = gl.where(iZ < n_s, iZ, q_hi + iZ - n_s)
-                rcZ = slot * (SINK + C_RING) + gl.where(pZ < SINK, pZ, SINK + (pZ - SINK) % (C_RING + (C_RING == 0)))
-                rrZ = slot * (SINK + R_RING) + gl.where(pZ < SINK, pZ, SINK + (pZ - SINK) % (R_RING + (R_RING == 0)))
-                S = zero_acc
-                for g in gl.static_range(9):
-                    if g < 8:
-                        S = warpgroup_mma(_prot_scores_frag(pc_ptr, rcZ, vZ, 64 * g, 512), q_s.index(g), S)
-                    else:
-                        S = warpgroup_mma(_prot_scores_frag(pr_ptr, rrZ, vZ, 0, 64), q_r, S)
+                if PROT_VEC:
+                    rcS = _prot_rows(t, slot, n_s, n_p, q_hi, gl.SliceLayout(1, _LPS), SINK, C_RING)
+                    rrS = _prot_rows(t, slot, n_s, n_p, q_hi, gl.SliceLayout(1, _LPS), SINK, R_RING)
+                    S = zero_acc
+                    for g in gl.static_range(9):
+                        if g < 8:
+                            S = warpgroup_mma(_prot_scores_vec(pc_ptr, rcS, 64 * g, 512), q_s.index(g), S)
+                        else:
+                            S = warpgroup_mma(_prot_scores_vec(pr_ptr, rrS, 0, 64), q_r, S)
+                else:
+                    iZ = t * 64 + gl.arange(0, 64, layout=gl.SliceLayout(1, _DOA))
+                    vZ = iZ < n_p
+                    pZ = gl.where(iZ < n_s, iZ, q_hi + iZ - n_s)
+                    rcZ = slot * (SINK + C_RING) + gl.where(pZ < SINK, pZ,
+                                                            SINK + (pZ - SINK) % (C_RING + (C_RING == 0)))
+                    rrZ = slot * (SINK + R_RING) + gl.where(pZ < SINK, pZ,
+                                                            SINK + (pZ - SINK) % (R_RING + (R_RING == 0)))
+                    S = zero_acc
+                    for g in gl.static_range(9):
+                        if g < 8:
+                            S = warpgroup_mma(_prot_scores_frag(pc_ptr, rcZ, vZ, 64 * g, 512), q_s.index(g), S)
+                        else:
+                            S = warpgroup_mma(_prot_scores_frag(pr_ptr, rrZ, vZ, 0, 64), q_r, S)
                 S = S * qk_scale
                 iM = t * 64 + tokM
                 p, alpha, grew, m_i, l_i = _softmax(S, iM < n_p, m_i, l_i)
-                iA = t * 64 + tokA
-                vA = iA < n_p
-                pA = gl.where(iA < n_s, iA, q_hi + iA - n_s)
-                rcA = slot * (SINK + C_RING) + gl.where(pA < SINK, pA, SINK + (pA - SINK) % (C_RING + (C_RING == 0)))
-                _stage_p(p, p_s)
-                a0, a1, a2, a3, a4, a5, a6, a7 = _rescale(alpha, grew, a0, a1, a2, a3, a4, a5, a6, a7)
-                a0, a1 = _mma2(p_s, a0, a1, (_prot_values_frag(pc_ptr, rcA, vA, 0),
-                                             _prot_values_frag(pc_ptr, rcA, vA, 1)))
-                a2, a3 = _mma2(p_s, a2, a3, (_prot_values_frag(pc_ptr, rcA, vA, 2),
-                                             _prot_values_frag(pc_ptr, rcA, vA, 3)))
-                a4, a5 = _mma2(p_s, a4, a5, (_prot_values_frag(pc_ptr, rcA, vA, 4),
-                                             _prot_values_frag(pc_ptr, rcA, vA, 5)))
-                a6, a7 = _mma2(p_s, a6, a7, (_prot_values_frag(pc_ptr, rcA, vA, 6),
-                                             _prot_values_frag(pc_ptr, rcA, vA, 7)))
+                if PROT_VEC:
+                    rcV = _prot_rows(t, slot, n_s, n_p, q_hi, gl.SliceLayout(1, gl.SliceLayout(2, _LPV)), SINK,
+                                     C_RING)
+                    _stage_p(p, p_s)
+                    a0, a1, a2, a3, a4, a5, a6, a7 = _rescale(alpha, grew, a0, a1, a2, a3, a4, a5, a6, a7)
+                    f0, f1, f2, f3 = _prot_values_vec(pc_ptr, rcV, 0)
+                    a0, a1 = _mma2(p_s, a0, a1, (f0, f1))
+                    a2, a3 = _mma2(p_s, a2, a3, (f2, f3))
+                    f4, f5, f6, f7 = _prot_values_vec(pc_ptr, rcV, 1)
+                    a4, a5 = _mma2(p_s, a4, a5, (f4, f5))
+                    a6, a7 = _mma2(p_s, a6, a7, (f6, f7))
+                else:
+                    iA = t * 64 + tokA
+                    vA = iA < n_p
+                    pA = gl.where(iA < n_s, iA, q_hi + iA - n_s)
+                    rcA = slot * (SINK + C_RING) + gl.where(pA < SINK, pA,
+                                                            SINK + (pA - SINK) % (C_RING + (C_RING == 0)))
+                    _stage_p(p, p_s)
+                    a0, a1, a2, a3, a4, a5, a6, a7 = _rescale(alpha, grew, a0, a1, a2, a3, a4, a5, a6, a7)
+                    a0, a1 = _mma2(p_s, a0, a1, (_prot_values_frag(pc_ptr, rcA, vA, 0),
+                                                 _prot_values_frag(pc_ptr, rcA, vA, 1)))
+                    a2, a3 = _mma2(p_s, a2, a3, (_prot_values_frag(pc_ptr, rcA, vA, 2),
+                                                 _prot_values_frag(pc_ptr, rcA, vA, 3)))
+                    a4, a5 = _mma2(p_s, a4, a5, (_prot_values_frag(pc_ptr, rcA, vA, 4),
+                                                 _prot_values_frag(pc_ptr, rcA, vA, 5)))
+                    a6, a7 = _mma2(p_s, a6, a7, (_prot_values_frag(pc_ptr, rcA, vA, 6),
+                                                 _prot_values_frag(pc_ptr, rcA, vA, 7)))
 
         ok = l_i > 0
         l_safe = gl.where(ok, l_i, 1.0)
@@ -734,6 +904,17 @@ def _stages() -> int:
     return n
 
 
+def _prot_vec() -> bool:
+    """Protected rows by contiguous 16-byte loads ($QUANTMLA_GLUON_PROT_VEC, default 1; 0: the old 2-byte
+    gathers in fragment order)."""
+    return os.environ.get("QUANTMLA_GLUON_PROT_VEC", "1") != "0"
+
+
+def _prot_prefetch() -> bool:
+    """L2 prefetch of the protected tiles before the body loop ($QUANTMLA_GLUON_PROT_PREFETCH, default 1)."""
+    return os.environ.get("QUANTMLA_GLUON_PROT_PREFETCH", "1") != "0"
+
+
 def mla_decode_gluon(
     q_nope_absorbed: torch.Tensor,
     q_pe: torch.Tensor,
@@ -749,6 +930,8 @@ def mla_decode_gluon(
     num_sms: int | None = None,
     denorm: bool | None = None,
     stages: int | None = None,
+    prot_vec: bool | None = None,
+    prot_prefetch: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module docstring. num_splits: None picks enough programs for two CTAs per SM, no split under
     512 tokens (the Triton kernel's rule). Raises ValueError naming what it does not support."""
@@ -784,7 +967,8 @@ def mla_decode_gluon(
         part_o, part_lse, H, num_splits, sm_scale * LOG2E,
         c.codes.stride(1), c.scale.stride(1), r.codes.stride(1), r.scale.stride(1),
         cache.block_size, cache.sink, cache.recent, *cache.rings, _denorm() if denorm is None else denorm,
-        _stages() if stages is None else stages,
+        _stages() if stages is None else stages, _prot_vec() if prot_vec is None else prot_vec,
+        _prot_prefetch() if prot_prefetch is None else prot_prefetch,
         num_warps=NUM_WARPS,
     )  # fmt: skip
     if num_splits > 1:
