@@ -64,28 +64,12 @@ The fragment index maps are mirrored in plain torch (`emulate_scores_fragment`, 
 `DENORM=False` (env QUANTMLA_GLUON_DENORM=0, or denorm=False) replaces the subnormal scores fragments by
 (1024 + code) - 1024 (exact, 4 more f16x2 subtractions per word), should a device flush fp16 subnormals in wgmma.
 
-Protected rows (offline sm_90 SASS, Triton 3.6, `python benchmarks/kernel_sass.py --kernel gluon`): the
-protected loop 1781 instructions per tile (PROT_VEC=0: 2822), 68 LDG.E.128 (was 544 LDG.E.U16), 0 PRMT (was
-544), 13 LDL of loop-invariants from a 64-byte stack (was 18 from 144 bytes); the prefetch loop 88 instructions
-(5 CCTL.E.PF2 per thread and tile); body loop unchanged (1515 vs 1521); 255 registers, 80 KB shared memory.
-NOT YET RUN ON A GPU.
-Ring (STAGES=3, offline sm_90 SASS): body loop 1521 instructions per tile with the rescale branch (1554
-direct), 10 LDGSTS.128 + 34 LDS.64 + 16 LDS.U16 in place of 34 LDG.64 + 16 LDG.U16; 44 LDG.U16 (zeros,
-values' scales) left; 255 registers, no local memory in the body loop (144 bytes of stack, for the protected
-rows), 80 KB shared memory (Q^T now 18 KB instead of 32; STAGES=0: 22 KB).
-NOT YET RUN ON A GPU.
-Before the ring, compiled for sm_90 with Triton 3.6 (offline; now benchmarks/kernel_sass.py): the body loop is 1448 SASS
-instructions per warp per 64-token tile on tiles without a rescale (90.5 warp-instructions per cached token;
-1554 = 97 with the rescale branch) against the Triton INT4 kernel's 1519 (95; BF16: 934 = 58): about as many
-instructions, but no dequantized tile through shared memory (in the loop: P^T once by STSM, plus the two softmax
-reductions' scratch; Triton INT4: 42 STS + 20 LDS + 108 LDSM per tile), 70 HGMMA m64n16k16 instead of 136 mma.sync, q read
-once per CTA; 255 registers (2 CTAs x 4 warps per SM, like Triton's), no spills in the body loop but one
-LDL/STL pair (128 bytes of stack, from the protected-rows loop), 36 KB of shared memory (Triton INT4: 110 KB).
-Where the instructions go per thread and tile: the scores fragments 5 per code word (4 and + 1 shr), the
-values fragments 14 per pair of words (prmt, shr, 4 lop3, 4 sub, 4 fma: scale and zero vary along the
-tokens, which are the values' K, so they are applied per value), 72 FFMA for the post-MMA scales, the
-scale/zero loads of the values (16-bit, masked) and their addresses. NOT YET RUN ON A GPU: neither its
-correctness on the device nor its speed is measured (runs/GPU_COMMANDS.md).
+Status: opt-in. On an H200 (benchmarks/results/decode_kernel_gluon_prot.md) it passes the GPU tests with ~30x
+less error than the Triton INT4 kernel (scores from exact codes and fp32 scales) and is faster than it where
+each CTA has many tiles (B=64: 0.94x the BF16 kernel at 16 K, 1.00x at 64 K; Triton 0.84-0.85x), slower where
+it has few (B <= 16 at <= 16 K, B=1). Queries and protected rows go to the tensor cores in fp16 (Triton's kernel:
+bf16), so values beyond fp16's range (65504) would overflow here. Offline SASS counts per loop:
+`python benchmarks/kernel_sass.py --kernel gluon` (no GPU needed, Triton 3.6).
 """
 
 from __future__ import annotations
