@@ -2,9 +2,13 @@
 
     PYTHONPATH=src python benchmarks/decode_kernel_ncu.py [--out benchmarks/results]
 
-Runs itself under `ncu` (which must be on PATH) with one launch of `_mla_decode_kernel` per case —
-bf16 and int4/int4 at 16 and 128 heads, batch 16, 64K context, the launch configs `default_config` picks —
-and writes decode_kernel_ncu.json (every metric ncu returned) and decode_kernel_ncu.md: time, DRAM and SM
+    PYTHONPATH=src python benchmarks/decode_kernel_ncu.py --gluon [--out ...]   # the Gluon kernel's cases
+
+Runs itself under `ncu` (which must be on PATH) with one launch of the decode kernel per case — by default
+bf16 and int4/int4 at 16 and 128 heads, batch 16, 64K context, the launch configs `default_config` picks
+(Triton's `_mla_decode_kernel`); with --gluon the Triton bf16 and int4/int4 kernels and the Gluon one
+(`_gluon_decode_kernel`, $QUANTMLA_DECODE_KERNEL=gluon) at 16 heads, batch 16, 16K and 64K — and writes
+decode_kernel_ncu[_gluon].json (every metric ncu returned) and decode_kernel_ncu.md: time, DRAM and SM
 throughput, issue-slot use, warps per scheduler, shared-memory pipe use, tensor pipe use and the stall
 reasons (cycles per issued instruction), i.e. what the benchmark's times are made of.
 """
@@ -24,8 +28,12 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-CASES = [("bf16", 16), ("int4/int4", 16), ("bf16", 128), ("int4/int4", 128)]
-B, L = 16, 65536
+# (format, heads, kernel, batch, context)
+CASES = [("bf16", 16, "triton", 16, 65536), ("int4/int4", 16, "triton", 16, 65536), ("bf16", 128, "triton", 16, 65536),
+         ("int4/int4", 128, "triton", 16, 65536)]  # fmt: skip
+GLUON_CASES = [("bf16", 16, "triton", 16, 16384), ("int4/int4", 16, "triton", 16, 16384),
+               ("int4/int4", 16, "gluon", 16, 16384), ("int4/int4", 16, "triton", 16, 65536),
+               ("int4/int4", 16, "gluon", 16, 65536)]  # fmt: skip
 NCU_PATHS = ["/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/ncu"]
 SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "Occupancy", "SchedulerStats",
             "WarpStateStats", "LaunchStats"]  # fmt: skip
@@ -37,7 +45,7 @@ SHARED = r"regex:l1tex__data_pipe_lsu_wavefronts_mem_shared(_op_ld|_op_st)?\.sum
 TO_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}  # ncu picks the unit
 
 
-def run_cases():
+def run_cases(cases):
     """The profiled process: one kernel launch per case (compiled beforehand by a first call outside ncu's
     filter would still be a launch, so each case launches exactly once)."""
     import torch
@@ -45,10 +53,11 @@ def run_cases():
 
     from quantmla.kernels.mla_decode import mla_decode
 
-    for fmt, heads in CASES:
-        cache, tables, seq_lens, slots = build(fmt, B, L)
-        qn, qp = queries(B, heads)
-        mla_decode(qn, qp, cache, tables, seq_lens, slots, SCALE, max_seq_len=L)
+    for fmt, heads, kernel, batch, ctx in cases:
+        os.environ["QUANTMLA_DECODE_KERNEL"] = kernel
+        cache, tables, seq_lens, slots = build(fmt, batch, ctx)
+        qn, qp = queries(batch, heads)
+        mla_decode(qn, qp, cache, tables, seq_lens, slots, SCALE, max_seq_len=ctx)
         torch.cuda.synchronize()
         del cache, tables
         torch.cuda.empty_cache()
@@ -58,23 +67,25 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--from-json", metavar="FILE", help="rewrite the markdown table from a saved JSON profile")
+    ap.add_argument("--gluon", action="store_true", help="profile the Gluon kernel's cases (GLUON_CASES)")
     ap.add_argument("--cases", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
     args = ap.parse_args()
+    cases, name = (GLUON_CASES, "decode_kernel_ncu_gluon") if args.gluon else (CASES, "decode_kernel_ncu")
     if args.cases:
-        return run_cases()
+        return run_cases(cases)
     if args.from_json:
         with open(args.from_json) as fh:
             saved = json.load(fh)
-        return write_table(args.out, saved["meta"], saved["kernels"])
+        return write_table(args.out, saved["meta"], saved["kernels"], os.path.basename(args.from_json)[:-5])
     ncu = shutil.which("ncu") or next((p for p in NCU_PATHS if os.path.exists(p)), None)
     if ncu is None:
         sys.exit("ncu (Nsight Compute) is not on PATH")
-    cmd = [ncu, "--target-processes", "all", "-k", "regex:^_mla_decode_kernel", "--launch-count", str(len(CASES)),
+    cmd = [ncu, "--target-processes", "all", "-k", "regex:^_(mla|gluon)_decode_kernel", "--launch-count", str(len(cases)),
            "--csv", "--page", "raw", "--cache-control", "all", "--clock-control", "none"]  # fmt: skip
     for s in SECTIONS:
         cmd += ["--section", s]
     cmd += ["--metrics", ",".join([STALLS, PIPES, SHARED])]
-    cmd += [sys.executable, os.path.abspath(__file__), "--cases"]
+    cmd += [sys.executable, os.path.abspath(__file__), "--cases"] + (["--gluon"] if args.gluon else [])
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     text = res.stdout
     start = text.find('"ID"')
@@ -83,15 +94,15 @@ def main():
     rows = list(csv.reader(io.StringIO(text[start:])))
     header, units, data = rows[0], rows[1], rows[2:]
     kernels = []
-    for (fmt, heads), row in zip(CASES, data):
+    for (fmt, heads, kernel, batch, ctx), row in zip(cases, data):
         metrics = {}
         for name, unit, value in zip(header, units, row):
             try:
                 metrics[name] = float(value.replace(",", ""))
             except ValueError:
                 metrics[name] = value
-        kernels.append({"format": fmt, "heads": heads, "batch": B, "context": L, "units": dict(zip(header, units)),
-                        "metrics": metrics})  # fmt: skip
+        kernels.append({"format": fmt, "heads": heads, "kernel": kernel, "batch": batch, "context": ctx,
+                        "units": dict(zip(header, units)), "metrics": metrics})  # fmt: skip
     import torch
 
     meta = {
@@ -99,17 +110,18 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python"] + sys.argv),
         "ncu": subprocess.run([ncu, "--version"], capture_output=True, text=True).stdout.strip().splitlines()[-1],
-        "ncu_command": " ".join(cmd[1:-3]),
+        "ncu_command": " ".join(cmd[1:cmd.index(sys.executable)]),
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "decode_kernel_ncu.json"), "w") as fh:
+    with open(os.path.join(args.out, f"{name}.json"), "w") as fh:
         json.dump({"meta": meta, "kernels": kernels}, fh, indent=1)
-    write_table(args.out, meta, kernels)
+    write_table(args.out, meta, kernels, name)
 
 
-def write_table(out_dir, meta, kernels):
+def write_table(out_dir, meta, kernels, name="decode_kernel_ncu"):
     md = table(meta, kernels)
-    with open(os.path.join(out_dir, "decode_kernel_ncu.md"), "w") as fh:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as fh:
         fh.write(md)
     print(md)
 
@@ -132,7 +144,7 @@ STALL_PREFIX, STALL_SUFFIX = "smsp__average_warps_issue_stalled_", "_per_issue_a
 
 
 def per_token(k, sms: int) -> dict[str, float]:
-    """The profile in units of one cached token (all heads): an SM handles B * L / SMs of them."""
+    """The profile in units of one cached token (all heads): an SM handles batch * context / SMs of them."""
     m, tokens = k["metrics"], k["batch"] * k["context"]
     return {
         "SM cycles per token": m["gpc__cycles_elapsed.max"] * sms / tokens,
@@ -143,14 +155,16 @@ def per_token(k, sms: int) -> dict[str, float]:
 
 
 def table(meta, kernels) -> str:
-    cols = [f"{k['format']} H={k['heads']}" for k in kernels]
+    cols = [f"{k['format']} H={k['heads']}" + (f" {k['kernel']} {k['context'] // 1024}K" if "kernel" in k else "")
+            for k in kernels]  # saved profiles before --gluon have no kernel / shape per case
     sms = int(kernels[0]["metrics"].get("device__attribute_multiprocessor_count", 132))
     lines = [
         "# Nsight Compute profile of the decode kernel",
         "",
         f"Card: {meta['card']} ({sms} SMs). Date: {meta['date']}. Nsight Compute {meta['ncu']}. Command: "
-        f"`{meta['command']}` (ncu {meta['ncu_command']}). Batch {B}, context {L}, kv_lora_rank 512, rope 64, "
-        "launch configs of `default_config`; one launch per case, caches flushed, clocks not locked.",
+        f"`{meta['command']}` (ncu {meta['ncu_command']}). Batch {kernels[0]['batch']}, context "
+        f"{kernels[0]['context']} unless a column says otherwise, kv_lora_rank 512, rope 64, launch configs of "
+        "`default_config`; one launch per case, caches flushed, clocks not locked.",
         "",
         "| metric | " + " | ".join(cols) + " |",
         "|---|" + "---:|" * len(cols),
