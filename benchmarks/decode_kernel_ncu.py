@@ -70,7 +70,7 @@ def main():
     ap.add_argument("--gluon", action="store_true", help="profile the Gluon kernel's cases (GLUON_CASES)")
     ap.add_argument("--cases", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
     args = ap.parse_args()
-    cases, name = (GLUON_CASES, "decode_kernel_ncu_gluon") if args.gluon else (CASES, "decode_kernel_ncu")
+    cases, out_name = (GLUON_CASES, "decode_kernel_ncu_gluon") if args.gluon else (CASES, "decode_kernel_ncu")
     if args.cases:
         return run_cases(cases)
     if args.from_json:
@@ -113,9 +113,9 @@ def main():
         "ncu_command": " ".join(cmd[1:cmd.index(sys.executable)]),
     }
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{name}.json"), "w") as fh:
+    with open(os.path.join(args.out, f"{out_name}.json"), "w") as fh:
         json.dump({"meta": meta, "kernels": kernels}, fh, indent=1)
-    write_table(args.out, meta, kernels, name)
+    write_table(args.out, meta, kernels, out_name)
 
 
 def write_table(out_dir, meta, kernels, name="decode_kernel_ncu"):
