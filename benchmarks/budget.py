@@ -2,10 +2,11 @@
 
 For each row: calibrate the default model (or --model) on the built-in text, then measure the KL to BF16 on
 held-out windows (the demo's protocol: 512 tokens, last 128 scored, sink 4 + recent 128) and the cache's
-measured bytes at the evaluated length and at 128 K. Rows: RTN and quantmla at INT4/INT4 (the fixed format
-the budget should beat in bytes), quantmla at each --budgets fraction (formats chosen per path and layer).
+measured bytes at the evaluated length and at 128 K. Rows: RTN at INT4/INT4, quantmla at each --fixed format
+pair (default INT4/INT4, the fixed format the budget should beat in bytes), quantmla at each --budgets
+fraction (formats chosen per path and layer).
 
-    python benchmarks/budget.py [--budgets 0.27,0.25] [--samples 16 --steps 40 --windows 16]
+    python benchmarks/budget.py [--budgets 0.27,0.25] [--fixed int4/int4,int2/int4] [--samples 16 --steps 40]
 
 Writes budget.{json,md} to --out (default benchmarks/results).
 """
@@ -35,6 +36,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model")
     p.add_argument("--budgets", default="0.27")
+    p.add_argument("--fixed", default="int4/int4", help="fixed content/rope formats calibrated as quantmla rows, "
+                   "comma-separated (e.g. int4/int4,int2/int4)")
     p.add_argument("--samples", type=int, default=16, help="calibration sequences of 512 tokens")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--windows", type=int, default=16)
@@ -60,15 +63,17 @@ def main() -> None:
         return r
 
     rows = [row("rtn int4/int4", model, base, 0.0)]
-    plans = [("quantmla int4/int4", None)] + [(f"quantmla --budget {b}", float(b)) for b in a.budgets.split(",")]
-    for label, budget in plans:
+    fixed = [CacheConfig(*pair.split("/"), 4, 128).fit(dc, dr) for pair in a.fixed.split(",") if pair]
+    plans = ([(f"quantmla {f.content}/{f.rope}", f) for f in fixed]
+             + [(f"quantmla --budget {b}", float(b)) for b in a.budgets.split(",") if b])
+    for label, plan in plans:
         t0 = time.perf_counter()
         torch.manual_seed(0)
         calibrated = copy.deepcopy(model)
-        cfg = base if budget is None else choose_formats(model, layers, calib, base, budget).config
+        cfg = plan if isinstance(plan, CacheConfig) else choose_formats(model, layers, calib, base, plan).config
         reports = calibrate_model(calibrated, layers, calib, cfg, a.steps, 0, progress=False)
         rows.append(row(label, calibrated, chosen_config(cfg, reports), time.perf_counter() - t0))
-    result = {"model": model_dir.name, "date": str(datetime.date.today()), "machine": f"CPU {platform.machine()}",
+    result = {"model": model_dir.name, "budgets": a.budgets, "fixed": a.fixed, "date": str(datetime.date.today()), "machine": f"CPU {platform.machine()}",
               "samples": a.samples, "steps": a.steps, "windows": a.windows, "rows": rows}
     out = Path(a.out)
     (out / "budget.json").write_text(json.dumps(result, indent=1) + "\n")
@@ -77,7 +82,7 @@ def main() -> None:
              f"of the built-in text, {a.steps} steps per path; KL to BF16 on {a.windows} held-out windows of 512 "
              "tokens (last 128 scored), sink 4 + recent 128 BF16. Bytes per token and layer measured from the "
              f"cache at 512 and at {LONG_CONTEXT} tokens. Command: `python benchmarks/budget.py --budgets "
-             f"{a.budgets} --samples {a.samples} --steps {a.steps} --windows {a.windows}`.", "",
+             f"{a.budgets} --fixed {a.fixed} --samples {a.samples} --steps {a.steps} --windows {a.windows}`.", "",
              "| method | B/token @512 | B/token @128K | % of BF16 @128K | KL | ppl | formats (content/rope, layer 0..) |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
