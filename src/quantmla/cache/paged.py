@@ -80,6 +80,20 @@ class PagedPath:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.codes, self.scale, self.zero) if t is not None]
 
+    def row_layout_problem(self, row_align: int = 1, base_align: int = 1) -> str | None:
+        """Why a kernel that addresses the pools as whole rows cannot read them, or None: every pool [NB, P, w]
+        must have contiguous rows and whole blocks of rows (stride(0) = P * stride(1); rows may lie further
+        apart than their width, as in vLLM's packed rows), code rows `row_align` bytes apart (a multiple) from
+        a `base_align`-byte aligned start, and the scale and zero pools one row stride."""
+        for t in self.tensors():
+            if t.stride(-1) != 1 or t.stride(0) != t.shape[1] * t.stride(1):
+                return f"needs pools of whole contiguous rows, got strides {t.stride()}"
+        if self.codes.stride(1) % row_align or self.codes.data_ptr() % base_align:
+            return f"needs {row_align}-byte aligned code rows"
+        if self.scale is not None and self.zero is not None and self.scale.stride(1) != self.zero.stride(1):
+            return "needs the scale and zero pools to share a row stride"
+        return None
+
     def write(self, rows: torch.Tensor, x: torch.Tensor, checked: bool = True, scale_rows: torch.Tensor | None = None,
               keep: torch.Tensor | None = None) -> Packed:
         """Quantize x [n, dim] with `quantize()` and store it: codes at flat pool rows [n], scale/zero at

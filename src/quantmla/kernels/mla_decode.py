@@ -568,11 +568,8 @@ def _row_strides(path: PagedPath) -> tuple[int, int]:
     """Elements from one pool row to the next in the codes and in the scale/zero pools. A pool [NB, P, width]
     may have rows further apart than its width (fields of one packed row, as in vLLM's cache tensor), but
     each row must be contiguous and each block a whole run of rows (stride(0) = P * stride(1))."""
-    for t in path.tensors():
-        if t.stride(-1) != 1 or t.stride(0) != t.shape[1] * t.stride(1):
-            raise ValueError(f"the kernel needs pools of whole contiguous rows, got strides {t.stride()}")
-    if path.scale is not None and path.zero is not None and path.scale.stride(1) != path.zero.stride(1):
-        raise ValueError("the kernel needs the scale and zero pools to share a row stride")
+    if (why := path.row_layout_problem()) is not None:
+        raise ValueError(f"the kernel {why}")
     return path.codes.stride(1), (path.scale.stride(1) if path.scale is not None else 0)
 
 

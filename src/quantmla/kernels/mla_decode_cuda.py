@@ -82,13 +82,8 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
     if not (cache.protected_content.is_contiguous() and cache.protected_rope.is_contiguous()):
         return "needs contiguous protected rows"
     for path in (cache.content, cache.rope):
-        for t in path.tensors():
-            if t.stride(-1) != 1 or t.stride(0) != t.shape[1] * t.stride(1):
-                return f"needs pools of whole contiguous rows, got strides {t.stride()}"
-        if path.codes.stride(1) % 16 or path.codes.data_ptr() % 16:
-            return "needs 16-byte aligned code rows"
-        if path.scale.stride(1) != path.zero.stride(1):
-            return "needs the scale and zero pools to share a row stride"
+        if (why := path.row_layout_problem(row_align=16, base_align=16)) is not None:
+            return why
     if _nvcc() is None:
         return "nvcc not found"
     return None

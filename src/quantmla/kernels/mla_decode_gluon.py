@@ -847,13 +847,8 @@ def unsupported_reason(cache: PagedMLACache, num_heads: int, device) -> str | No
             return f"needs {name} group {GROUP}, got {f.group}"
         if path.dim != dim:
             return f"needs kv_lora_rank {DC} and rope dims {DR}, got {cache.kv_lora_rank}/{cache.rope_dim}"
-        for t in path.tensors():
-            if t.stride(-1) != 1 or t.stride(0) != t.shape[1] * t.stride(1):
-                return f"needs pools of whole contiguous rows, got strides {t.stride()}"
-        if path.codes.stride(1) % 8 or path.codes.data_ptr() % 16:
-            return "needs 8-byte aligned code rows"
-        if path.scale.stride(1) != path.zero.stride(1):
-            return "needs the scale and zero pools to share a row stride"
+        if (why := path.row_layout_problem(row_align=8, base_align=16)) is not None:
+            return why
     if num_heads > BLOCK_H or num_heads < 1:
         return f"needs 1..{BLOCK_H} heads, got {num_heads}"
     if cache.block_size % BLOCK_N:
