@@ -328,23 +328,19 @@ def main():
                 for H, kern in [(h, k) for h in heads for k in (["triton"] if f == "bf16" else kernels)]:
                     qn, qp = queries(B, H)
                     auto = mdc.decode_kernel_name(cache, H, qn.device)
+                    family = "cuda" if kern.startswith("cuda") else kern
+                    unsupported = {"gluon": mdg.unsupported_reason, "cuda": mdc.unsupported_reason}.get(family)
+                    why = unsupported and unsupported(cache, H, qn.device)
+                    if why:
+                        print(f"B={B:3d} L={L:6d} H={H:3d} {f:9s} {kern}: not run ({why})", flush=True)
+                        continue
                     if kern == "gluon":
-                        why = mdg.unsupported_reason(cache, H, qn.device)
-                        if why:
-                            if f != "bf16":
-                                print(f"B={B:3d} L={L:6d} H={H:3d} {f:9s} gluon: not run ({why})", flush=True)
-                            continue
                         cfg = None
                         splits = mdg.default_splits(B, L, props.multi_processor_count)
                         fn = lambda: mdg.mla_decode_gluon(qn, qp, cache, tables, seq_lens, slots, SCALE, max_seq_len=L,
                                                           num_sms=props.multi_processor_count)  # fmt: skip
                     elif kern.startswith("cuda"):
                         warps = int(kern[4:]) if kern[4:] else None
-                        why = mdc.unsupported_reason(cache, H, qn.device)
-                        if why:
-                            if f != "bf16":
-                                print(f"B={B:3d} L={L:6d} H={H:3d} {f:9s} cuda: not run ({why})", flush=True)
-                            continue
                         cfg = None
                         splits = mdc.body_splits(B, H, L, props.multi_processor_count) + (1 if cache.window else 0)
                         fn = lambda: mdc.mla_decode_cuda(qn, qp, cache, tables, seq_lens, slots, SCALE, max_seq_len=L,

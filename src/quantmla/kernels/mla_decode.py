@@ -657,13 +657,7 @@ def mla_decode(
     if slots is None:
         slots = torch.arange(B, dtype=torch.int32, device=dev)
     qn, qp = q_nope_absorbed.contiguous(), q_pe.contiguous()
-    out = torch.empty(B, H, dc, dtype=out_dtype, device=dev)
-    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
-    if num_splits == 1:
-        part_o, part_lse = out, lse
-    else:
-        part_o = torch.empty(B, num_splits, H, dc, dtype=torch.float32, device=dev)
-        part_lse = torch.empty(B, num_splits, H, dtype=torch.float32, device=dev)
+    out, lse, part_o, part_lse = split_outputs(B, H, dc, num_splits, out_dtype, dev)
     c_ptrs, c_const = _path_args(cache.content)
     r_ptrs, r_const = _path_args(cache.rope)
     block_n = math.gcd(cfg.block_n, cache.block_size)  # body tiles must not cross a page
@@ -689,11 +683,27 @@ def mla_decode(
         # content path, nor at 128 heads for a RoPE path.
         raise ValueError(f"the decode kernel cannot launch the token-axis {', '.join(token)} at {H} heads on this "
                          f"GPU ({e}); serve channel-grouped formats here (calibrate without --token-axis)") from e
-    if num_splits > 1:
-        _combine_kernel[(H, B)](
-            part_o, part_lse, out, lse, H, num_splits, dc, num_warps=4
-        )
+    combine_splits(part_o, part_lse, out, lse)
     return out, lse
+
+
+def split_outputs(B: int, H: int, dc: int, num_splits: int, out_dtype: torch.dtype, device) -> tuple:
+    """(out [B, H, dc] out_dtype, lse [B, H] fp32, part_o, part_lse): what a decode launch with num_splits
+    writes, i.e. out and lse themselves for one split, else fp32 partials [B, splits, H, dc] / [B, splits, H]
+    for `combine_splits`."""
+    out = torch.empty(B, H, dc, dtype=out_dtype, device=device)
+    lse = torch.empty(B, H, dtype=torch.float32, device=device)
+    if num_splits == 1:
+        return out, lse, out, lse
+    part_o = torch.empty(B, num_splits, H, dc, dtype=torch.float32, device=device)
+    return out, lse, part_o, torch.empty(B, num_splits, H, dtype=torch.float32, device=device)
+
+
+def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+    """Merge the partials of `split_outputs` into out / lse (nothing to do for one split)."""
+    if part_o is not out:
+        B, num_splits, H, dc = part_o.shape
+        _combine_kernel[(H, B)](part_o, part_lse, out, lse, H, num_splits, dc, num_warps=4)
 
 
 decode = mla_decode  # the kernel's entry point; quantmla.decode_step.decode_step is a whole layer's step

@@ -338,12 +338,9 @@ fma.rn.f16x2 $3, t, $6, $8;
     @gluon.jit
     def _scores_frag(u, DENORM: gl.constexpr):
         """codes [64, 32] (layout _LU) -> fp16 A fragment [64, 64] (_DOA), columns in `scores_channel` order."""
-        if DENORM:
-            lo, hi = gl.inline_asm_elementwise(_SCORES_PTX, "=r,=r,=r,=r,r", [u], dtype=(gl.float16, gl.float16),
-                                               is_pure=True, pack=4)
-        else:
-            lo, hi = gl.inline_asm_elementwise(_SCORES_PTX_MAGIC, "=r,=r,=r,=r,r", [u],
-                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        ptx: gl.constexpr = _SCORES_PTX if DENORM else _SCORES_PTX_MAGIC
+        lo, hi = gl.inline_asm_elementwise(ptx, "=r,=r,=r,=r,r", [u], dtype=(gl.float16, gl.float16), is_pure=True,
+                                           pack=4)
         v = gl.join(lo, hi)
         v = gl.reshape(v, [64, 2, 2, 2, 2, 2, 2])
         v = gl.permute(v, [0, 3, 4, 6, 1, 2, 5])
@@ -364,12 +361,9 @@ fma.rn.f16x2 $3, t, $6, $8;
     def _values_frag(wa, wb, sv, zv, U: gl.constexpr):
         """Words of tokens 2p / 2p+1 [32, 32, 4] and their scale / zero (sv, zv: element j0 of a pack is token
         2p + j0) -> the dequantized fragments of tiles j = 2U + 4 j2 (+1): [64 rows, 64 tokens] fp16 (_DOA)."""
-        if U == 0:
-            lo, hi = gl.inline_asm_elementwise(_VALUES_PTX_0, "=r,=r,=r,=r,r,r,r,r,r,r", [wa, wb, sv, zv],
-                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-        else:
-            lo, hi = gl.inline_asm_elementwise(_VALUES_PTX_1, "=r,=r,=r,=r,r,r,r,r,r,r", [wa, wb, sv, zv],
-                                               dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        ptx: gl.constexpr = _VALUES_PTX_0 if U == 0 else _VALUES_PTX_1
+        lo, hi = gl.inline_asm_elementwise(ptx, "=r,=r,=r,=r,r,r,r,r,r,r", [wa, wb, sv, zv],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
         x = gl.join(lo, hi)  # [32 p, 32 R, 4 (j1 j0), 2 n]
         x = gl.reshape(x, [2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2])
         x = gl.permute(x, [5, 6, 12, 7, 8, 9, 0, 1, 2, 3, 4, 11, 10])
@@ -929,16 +923,12 @@ def mla_decode_gluon(
         num_splits = default_splits(B, max_seq_len, num_sms)
     if slots is None:
         slots = torch.arange(B, dtype=torch.int32, device=dev)
+    from quantmla.kernels.mla_decode import combine_splits, split_outputs
+
     qn, qp = q_nope_absorbed.contiguous(), q_pe.contiguous()
-    out = torch.empty(B, H, dc, dtype=out_dtype, device=dev)
-    lse = torch.empty(B, H, dtype=torch.float32, device=dev)
+    out, lse, part_o, part_lse = split_outputs(B, H, dc, num_splits, out_dtype, dev)
     if B == 0:
         return out, lse
-    if num_splits == 1:
-        part_o, part_lse = out, lse
-    else:
-        part_o = torch.empty(B, num_splits, H, dc, dtype=torch.float32, device=dev)
-        part_lse = torch.empty(B, num_splits, H, dtype=torch.float32, device=dev)
     c, r = cache.content, cache.rope
     _gluon_decode_kernel[(num_splits, B)](
         qn, qp, c.codes, c.scale, c.zero, r.codes, r.scale, r.zero,
@@ -950,8 +940,5 @@ def mla_decode_gluon(
         _prot_prefetch() if prot_prefetch is None else prot_prefetch,
         num_warps=NUM_WARPS,
     )  # fmt: skip
-    if num_splits > 1:
-        from quantmla.kernels.mla_decode import _combine_kernel
-
-        _combine_kernel[(H, B)](part_o, part_lse, out, lse, H, num_splits, dc, num_warps=4)
+    combine_splits(part_o, part_lse, out, lse)
     return out, lse
