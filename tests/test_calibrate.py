@@ -32,21 +32,15 @@ def rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@pytest.fixture(scope="module")
-def layer_data():
+def _layer_data(plant) -> dict:
+    """Layer 1 of a seeded tiny deepseek_v3 after plant(attn, layer) edits its weights, and what calibration
+    reads from 8 x 96 random tokens."""
     torch.manual_seed(0)
     model = tiny_model("deepseek_v3")
     layer = describe(model)[1]
     attn = attention_module(model, layer)
-    # Real MLA caches have outlier channels and a few dominant RoPE pairs; random tiny weights have neither,
-    # and without structure there is nothing for a transform to find. Plant some (the model stays an MLA model).
     with torch.no_grad():
-        w = attn.kv_a_proj_with_mqa.weight
-        w[:4] *= 8
-        dc = layer.kv_lora_rank
-        for i, j in layer.weight_pairs[:2]:
-            w[dc + i] *= 6
-            w[dc + j] *= 6
+        plant(attn, layer)
     ids = torch.randint(0, 128, (8, 96))
     k = capture(model, [layer], ids)[layer.cache_idx]
     with torch.no_grad():
@@ -57,6 +51,22 @@ def layer_data():
     q_abs = absorb_queries(q_nope[:, :, pos], w_uk).detach()
     return dict(layer=layer, attn=attn, k=k, c=c, k_pe=k_pe, q_abs=q_abs, q_pe=q_pe[:, :, pos].detach(),
                 w_uv=w_uv.detach(), gamma=attn.kv_a_layernorm.weight.detach(), pos=pos)
+
+
+def _outliers(attn, layer):
+    # Real MLA caches have outlier channels and a few dominant RoPE pairs; random tiny weights have neither,
+    # and without structure there is nothing for a transform to find. Plant some (the model stays an MLA model).
+    w = attn.kv_a_proj_with_mqa.weight
+    w[:4] *= 8
+    dc = layer.kv_lora_rank
+    for i, j in layer.weight_pairs[:2]:
+        w[dc + i] *= 6
+        w[dc + j] *= 6
+
+
+@pytest.fixture(scope="module")
+def layer_data():
+    return _layer_data(_outliers)
 
 
 def test_project_cache_matches_what_the_model_caches(layer_data):
@@ -97,6 +107,8 @@ def test_splits_are_disjoint_and_cover_the_sequences():
         assert sorted(sum(parts, [])) == list(range(n)) and all(parts) and len(parts[0]) >= n // 2
     with pytest.raises(ValueError, match="at least 3 calibration sequences"):
         Splits.of(2)
+
+
 
 
 def _content_args(d):
@@ -234,7 +246,8 @@ def test_rtn_and_smoothquant_are_points_of_the_search(layer_data):
     m = smooth_scales(d["c"][fit].abs().amax((0, 1)), d["q_abs"][fit].abs().amax((0, 1, 2)))
     sq = ContentTransform(torch.diag(torch.where(gamma < 0, -1.0, 1.0)), (gamma.abs() * m).float())
     assert res.points["smoothquant@int2:32"] == pytest.approx(content_objective(*select, POLICY, sq), rel=1e-4)
-    assert len(res.points) == 3 * 3 and res.best == min(res.points.values())
+    # identity, smoothquant, calibrated, axes x 3 formats (32 channels in one group of 32 leave no rank to drop)
+    assert len(res.points) == 4 * 3 and res.best == min(res.points.values())
     assert res.best <= min(rtn, res.points["smoothquant@int2:32"])
     assert res.format.clip in (1.0, 0.9, 0.7) and res.format.group == 32
 
@@ -286,3 +299,67 @@ def test_rope_search_with_token_axis_scores_kivi(layer_data):
                           RopeTransform.identity(d["k_pe"].shape[-1]))
     assert res.points["identity@int4:t16"] == pytest.approx(kivi, rel=1e-4)
     assert res.best <= kivi
+
+
+# ---------------------------------------------------------------- ranked content formats
+def test_ranked_formats_are_the_widest_that_fit_the_bytes():
+    from quantmla.calibrate.space import ranked_formats
+    from quantmla.quant.formats import bytes_per_token
+
+    parse = QuantFormat.parse
+    assert ranked_formats(parse("int2"), 512) == [parse("int8r128"), parse("int4r256")]
+    assert ranked_formats(parse("int4"), 512) == [parse("int8r256")]
+    assert ranked_formats(parse("int8"), 512) == []
+    for base in ("int2", "int4", "int2:32", "int4:128"):
+        for f in ranked_formats(parse(base), 512):
+            assert bytes_per_token(f, 512) <= bytes_per_token(parse(base), 512)
+            assert bytes_per_token(replace(f, rank=f.rank + f.group), 512) > bytes_per_token(parse(base), 512)
+
+
+def test_principal_axes_put_the_energy_in_the_leading_group():
+    from quantmla.calibrate.content import principal_axes
+
+    g = torch.Generator().manual_seed(0)
+    basis = torch.linalg.qr(torch.randn(64, 64, generator=g))[0]
+    x = torch.randn(500, 6, generator=g) @ basis[:6] * 3 + 1e-3 * torch.randn(500, 64, generator=g)
+    r = principal_axes(x, 16, g)
+    torch.testing.assert_close(r @ r.T, torch.eye(64), atol=1e-5, rtol=0)
+    energy = (x @ r.T).pow(2).sum(0)
+    assert energy[:16].sum() > 0.9999 * energy.sum()
+    # within the leading group the Hadamard spreads the energy: no channel holds most of it
+    assert energy[:16].max() < 0.2 * energy[:16].sum()
+
+
+def _low_rank(rank: int):
+    """A plant for _layer_data: the content latent confined to `rank` dimensions (kv_a_proj's content rows of
+    rank `rank`; RMSNorm and gamma keep it in a rank-dim subspace)."""
+    def plant(attn, layer):
+        w = attn.kv_a_proj_with_mqa.weight
+        dc = layer.kv_lora_rank
+        w[:dc] = w[:dc, :rank] @ torch.randn(rank, w.shape[1]) * 0.5
+    return plant
+
+
+def test_a_ranked_format_wins_where_the_latent_is_low_rank_at_no_more_bytes():
+    """A content latent of rank 4 in 32 channels: at int2:8's bytes (24 B) the search picks a ranked format
+    (the principal axes, int8:8r16 or int4:8r24), and on the report sequences (held out) it beats the best
+    point without ranks by far; where every channel carries signal (layer_data), no ranked format is chosen."""
+    from quantmla.calibrate.space import SearchSpace
+    from quantmla.quant.formats import bytes_per_token
+
+    policy = replace(POLICY, content=QuantFormat.parse("int2:8"))
+    args = _content_args(_layer_data(_low_rank(4)))
+    _, ranked = calibrate_content(*args, policy, steps=10, space=SearchSpace(clips=()))
+    _, channels = calibrate_content(*args, policy, steps=10, space=SearchSpace(clips=(), ranked=False))
+    assert ranked.format.rank in (16, 24) and bytes_per_token(ranked.format, 32) <= 24
+    assert channels.format.rank == 0
+    assert ranked.report["calibrated"] < 0.1 * channels.report["calibrated"]
+
+
+def test_no_ranked_format_where_every_channel_carries_signal(layer_data):
+    from quantmla.calibrate.space import SearchSpace
+
+    policy = replace(POLICY, content=QuantFormat.parse("int2:8"))
+    _, res = calibrate_content(*_content_args(layer_data), policy, steps=10, space=SearchSpace(clips=()))
+    assert res.format.rank == 0
+    assert any(QuantFormat.parse(k.split("@")[1]).rank for k in res.points)  # ranked points were scored

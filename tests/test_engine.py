@@ -88,6 +88,21 @@ def test_int2_greedy_equals_generate_with_quant_cache(family):
     assert engine_greedy(sharp_model(family), "bf16", "bf16", ids, NEW) != got
 
 
+@pytest.mark.parametrize("content", ["int8:8r16", "int4:8r24"])
+@pytest.mark.parametrize("family", ["deepseek_v3", "minicpm3"])
+def test_ranked_content_greedy_equals_generate_with_quant_cache(family, content):
+    """A ranked content path (the pools hold the leading channels only): the engine's greedy tokens are
+    those of `generate` with a QuantMLACache of the same formats, and the dropped channels matter."""
+    ref = sharp_model(family)
+    layer = describe(ref)[0]
+    ids = prompts(ref.config.vocab_size)
+    cfg = CacheConfig(content, "int4", SINK, RECENT).fit(layer.kv_lora_rank, layer.rope_dim)
+    want = [hf_greedy(ref, p, NEW, served_quant_cache(ref, p, cfg)) for p in ids]
+    got = engine_greedy(sharp_model(family), content, "int4", ids, NEW)
+    assert got == want
+    assert engine_greedy(sharp_model(family), content.split("r")[0], "int4", ids, NEW) != got
+
+
 # Token-axis formats (blocks of 4 / 8 / 16 tokens from the sink at 2): prefill chunks of 16 split blocks.
 TOKEN_FMTS = [("int4", "int4:t8"), ("int2:t8", "int4:t8"), ("int2:t4", "int4:t16")]
 

@@ -11,6 +11,8 @@ The error bounds are derived from quantmla.quant.formats, not tuned to pass:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -23,6 +25,7 @@ from quantmla.quant.formats import (
     bytes_per_token,
     dequantize,
     fake_quantize,
+    fake_quantize_ste,
     pack_bits,
     quantize,
     unpack_bits,
@@ -210,3 +213,47 @@ def test_parse_round_trips_str(kind, group):
     assert QuantFormat.parse(str(fmt).upper()) == fmt
     assert str(fmt) == kind or str(fmt) == f"{kind}:{fmt.group}"
     assert fmt.group == (DEFAULT_GROUP[kind] if group == -1 else 0 if kind == "bf16" else group)
+
+
+# --- ranked formats ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("spec,rank", [("int8r128", 128), ("int4:32r96", 96), ("int2r64c0.8", 64)])
+def test_ranked_format_stores_its_leading_channels_and_zeros_the_rest(spec, rank):
+    """A ranked format stores channels [0, rank) byte for byte as the unranked format stores a rank-channel
+    path, reads the others back as 0, and counts only the stored bytes."""
+    fmt = QuantFormat.parse(spec)
+    assert fmt.rank == rank and QuantFormat.parse(str(fmt)) == fmt
+    x = _tensor(3, (2, 5, 512), 0.0)
+    full = replace(fmt, rank=0)
+    p, lead = quantize(x, fmt), quantize(x[..., :rank].contiguous(), full)
+    assert all(torch.equal(a, b) for a, b in zip(p.tensors(), lead.tensors()))
+    out = dequantize(p, fmt, dim=512)
+    assert out.shape == x.shape and torch.equal(out[..., rank:], torch.zeros_like(out[..., rank:]))
+    assert torch.equal(out[..., :rank], dequantize(lead, full))
+    assert torch.equal(fake_quantize(x, fmt), out)
+    assert bytes_per_token(fmt, 512) == bytes_per_token(full, rank) == p.nbytes // 10
+    with pytest.raises(ValueError, match="dim="):
+        dequantize(p, fmt)
+
+
+def test_ranked_straight_through_passes_no_gradient_to_dropped_channels():
+    fmt = QuantFormat.parse("int4:16r32")
+    x = _tensor(5, (4, 64), 0.0).requires_grad_(True)
+    y = fake_quantize_ste(x, fmt)
+    assert torch.equal(y.detach(), fake_quantize(x.detach(), fmt))
+    y.sum().backward()
+    assert torch.equal(x.grad[:, 32:], torch.zeros(4, 32)) and (x.grad[:, :32] != 0).any()
+
+
+@pytest.mark.parametrize("spec,match", [("int8r100", "multiple"), ("fp8r128", "only channel"),
+                                        ("int4:t64r64", "only channel"), ("int4r", "rank after"),
+                                        ("bf16r64", "only channel")])
+def test_bad_ranks_raise(spec, match):
+    with pytest.raises(ValueError, match=match):
+        QuantFormat.parse(spec)
+
+
+def test_rank_wider_than_the_path_raises():
+    with pytest.raises(ValueError, match="exceeds"):
+        quantize(torch.zeros(2, 64), QuantFormat.parse("int8r128"))

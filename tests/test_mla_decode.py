@@ -122,7 +122,7 @@ def check_pools_and_window(cache, slot, table, c, r, L, only_quantized=True):
 
 @pytest.mark.parametrize("fmts", [("int4", "int4:32"), ("int2", "int4:32"), ("fp8:32", "bf16"),
                                   ("int4:t8", "int4:32"), ("int4", "int2:t4"), ("int2:t16", "int4:t4"),
-                                  ("bf16", "int8:t8")])
+                                  ("bf16", "int8:t8"), ("int4:16r32", "int4:32"), ("int8:16r16", "bf16")])
 @pytest.mark.parametrize("sink", [4, 0])
 def test_pool_holds_quantize_codes_and_window_moves_on_time(fmts, sink):
     dc, dr, recent, page = 64, 32, 8, 16
@@ -147,7 +147,7 @@ def band_of(cache, path, start, end):
 
 @pytest.mark.parametrize("cfg", [("int4", "int4:32", 4, 8), ("int2", "fp8:0", 0, 8), ("int4", "fp8:32", 3, 0),
                                  ("bf16", "bf16", 4, 8), ("int4:t8", "int4:t8", 4, 8), ("int4", "int4:t16", 3, 5),
-                                 ("int2:t4", "bf16", 0, 0), ("int4:t16", "int2:t8", 5, 0)])
+                                 ("int2:t4", "bf16", 0, 0), ("int4:t16", "int2:t8", 5, 0), ("int8:16r48", "int4:32", 4, 8)])
 def test_chunk_view_is_the_served_cache_and_its_band(cfg):
     """write_chunk's view (built from the values it writes) = gather() after the chunk, and its band = the
     positions each path has quantized after the chunk but not in the cache the chunk's first query sees."""
@@ -174,7 +174,7 @@ def test_chunk_view_is_the_served_cache_and_its_band(cfg):
 
 @pytest.mark.parametrize("cfg", [("int4", "int4:32", 4, 8), ("int2", "bf16", 0, 8), ("int4", "int4:32", 3, 0),
                                  ("int4:t8", "int4:32", 4, 8), ("int4", "int2:t16", 3, 5), ("int4:t4", "int4:t8", 0, 0),
-                                 ("int8:t16", "int4:t16", 5, 3)])
+                                 ("int8:t16", "int4:t16", 5, 3), ("int2:16r32", "int4:32", 4, 8)])
 def test_decode_writer_matches_bulk_writer(cfg):
     dc, dr, page, n = 64, 32, 16, 60
     cc = CacheConfig(cfg[0], cfg[1], sink=cfg[2], recent=cfg[3])
@@ -316,6 +316,9 @@ CASES = [
     (("int4", "int4:32"), 256, 32, 20, 1, torch.float32),
     (("int2", "int4:32"), 256, 32, 16, 2, torch.float32),
     (("fp8", "bf16"), 256, 32, 16, 1, torch.bfloat16),
+    # ranked content: only the stored groups are read (a power of two of them, or not)
+    (("int8r128", "int4"), 512, 64, 16, 2, torch.float32),
+    (("int4:32r96", "int4:32"), 256, 32, 16, 1, torch.float32),
 ]
 
 

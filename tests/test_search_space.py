@@ -13,7 +13,7 @@ from quantmla.cache.paged import PagedMLACache
 from quantmla.calibrate.budget import candidates, choose_formats, fraction_at, knapsack
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.eval.suite import body_bytes_per_token, measure_bytes_per_token
-from quantmla.models import describe
+from quantmla.models import attention_module, describe
 from quantmla.models.tiny import tiny_model
 from quantmla.quant.formats import bytes_per_token, dequantize, fake_quantize, quantize
 
@@ -147,7 +147,7 @@ def test_budget_choice_meets_the_budget_and_spends_it():
         assert alloc.fraction > budget - 0.1
     assert fractions == sorted(fractions)
     with pytest.raises(ValueError, match="even the smallest formats"):
-        choose_formats(model, layers, ids, cfg, 0.15, context=4096)
+        choose_formats(model, layers, ids, cfg, 0.05, context=4096)
 
 
 def test_budget_candidates_are_servable_channel_formats():
@@ -158,3 +158,33 @@ def test_budget_candidates_are_servable_channel_formats():
     assert all(SearchSpace.servable(f) for f in got)
     assert candidates(32, (16, 32, 64)) == [QuantFormat("bf16")] + [QuantFormat(k, g) for k in ("int8", "int4", "int2")
                                                                       for g in (16, 32)]
+
+
+def test_budget_picks_ranked_content_where_the_latent_is_low_rank():
+    """Content latents confined to 2 of 32 dimensions: at a tight budget the allocation stores a ranked content
+    format (scored in its principal axes) in every layer; with ranked=False it cannot, and its summed error
+    is far larger."""
+    from quantmla.calibrate.budget import ranked_candidates
+
+    assert {str(f) for f in ranked_candidates(512)} >= {"int8r64", "int4r256", "int2r384"}
+    assert all(f.group == 4 for f in ranked_candidates(32))
+    torch.manual_seed(0)
+    model = tiny_model("deepseek_v3")
+    layers = describe(model)
+    dc = layers[0].kv_lora_rank
+    with torch.no_grad():
+        for layer in layers:
+            w = attention_module(model, layer).kv_a_proj_with_mqa.weight
+            w[:dc] = w[:dc, :2] @ torch.randn(2, w.shape[1])
+    ids = torch.randint(0, 128, (4, 96))
+    cfg = CacheConfig("int4", "int4", sink=4, recent=16)
+    ranked = choose_formats(model, layers, ids, cfg, 0.3, context=4096)
+    plain = choose_formats(model, layers, ids, cfg, 0.3, context=4096, ranked=False)
+    assert all(c.rank for c, _ in ranked.config.per_layer)
+    assert not any(c.rank for c, _ in plain.config.per_layer)
+
+    def summed(alloc):
+        return sum(alloc.errors[(layer.cache_idx, p)][f] for layer, pair in zip(layers, alloc.config.per_layer)
+                   for p, f in zip(("content", "rope"), pair))
+
+    assert ranked.fraction <= 0.3 and summed(ranked) < 0.5 * summed(plain)

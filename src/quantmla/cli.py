@@ -120,7 +120,7 @@ def calibration_table(reports) -> Table:
                 table.add_row(str(r.layer), path, "bf16", "-", "-", "-", "-")
                 continue
             table.add_row(str(r.layer), path, getattr(r, f"{path}_format"), f"{rtn:.2e}", f"{sq:.2e}", f"{best:.2e}",
-                          f"{rtn / best:.2f}x" if best > 0 else "-")
+                          f"{rtn / best:.3g}x" if best > 0 else "-")
     return table
 
 
@@ -189,12 +189,12 @@ def cmd_calibrate(args) -> None:
                              "drop --streaming")
         from quantmla.calibrate.budget import choose_formats
 
-        alloc = choose_formats(model, layers, batch, cfg, args.budget, args.context)
+        alloc = choose_formats(model, layers, batch, cfg, args.budget, args.context, ranked=args.ranked)
         cfg = alloc.config
         calibration["budget"] = {"fraction": args.budget, "context": args.context, "chosen_fraction": alloc.fraction}
         console.print(alloc.summary(), soft_wrap=True)
-    space = SearchSpace(clips=_float_list(args.clips, "--clips"), token_axis=args.token_axis)
-    calibration["space"] = {"clips": list(space.clips), "token_axis": space.token_axis}
+    space = SearchSpace(clips=_float_list(args.clips, "--clips"), token_axis=args.token_axis, ranked=args.ranked)
+    calibration["space"] = {"clips": list(space.clips), "token_axis": space.token_axis, "ranked": space.ranked}
     torch.manual_seed(args.seed)
     if args.streaming:
         from quantmla.calibrate.streaming import calibrate_streaming
@@ -208,6 +208,7 @@ def cmd_calibrate(args) -> None:
     chosen = chosen_config(cfg, reports)
     unservable = sorted({str(f) for pair in chosen.per_layer for f in pair if not SearchSpace.servable(f)})
     token = sorted({str(f) for pair in chosen.per_layer for f in pair if f.axis == "token"})
+    ranked = sorted({str(f) for pair in chosen.per_layer for f in pair if f.rank})
     from quantmla.calibrate.budget import fraction_at
     from quantmla.eval.suite import body_bytes_per_token
 
@@ -220,7 +221,9 @@ def cmd_calibrate(args) -> None:
                   + ("yes" if not unservable else f"no: {', '.join(unservable)}")
                   + (f"; by the vLLM plugin: no, token-axis {', '.join(token)} (calibrate without --token-axis "
                      "for vLLM); on the GPU the decode kernel serves token-axis formats only on the RoPE path "
-                     "at <= 16 heads" if token else ""), soft_wrap=True)
+                     "at <= 16 heads" if token else "")
+                  + (f"; by the vLLM plugin: no, ranked {', '.join(ranked)} (calibrate with --no-ranked for vLLM)"
+                     if ranked and not token else ""), soft_wrap=True)
     if args.streaming:
         out = result.out_dir
         console.print(f"peak resident weights {result.peak_weight_bytes / 2**20:.1f} MiB of "
@@ -414,9 +417,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also try KIVI-style token-axis groups (int4:t64, at no more bytes) per path and layer. "
                         "Off by default: `quantmla serve` serves them on the CPU, but on the GPU its decode kernel "
                         "serves only a token-axis RoPE path at <= 16 heads (slowly); the vLLM plugin none")
+    s.add_argument("--ranked", action=argparse.BooleanOptionalAction, default=True,
+                   help="also try, on the content path, ranked formats of no more bytes (e.g. int8r128 for int2: "
+                        "the principal axes' leading channels at more bits, the rest dropped). Served by "
+                        "`quantmla serve` on the CPU and GPU; not by the vLLM plugin yet (--no-ranked for vLLM)")
     s.add_argument("--budget", type=float,
                    help="cache size as a fraction of BF16's at --context tokens, e.g. 0.27: choose bits and group "
-                        "size per path and layer (bf16, int8/int4/int2 channel groups: all servable) to fit it, "
+                        "size per path and layer (bf16, int8/int4/int2 channel groups, ranked content formats unless "
+                        "--no-ranked) to fit it, "
                         "by RTN attention-output error, then calibrate for the chosen formats (--content/--rope "
                         "then only name the section's base formats)")
     s.add_argument("--context", type=int, default=131072,

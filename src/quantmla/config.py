@@ -36,14 +36,20 @@ class QuantFormat:
     clip:  integer kinds only: the fraction of each group's range [min, max] the codes span, centred on the
            range's midpoint (1.0: the whole range, nothing clipped). Values outside clip to the end codes; a
            smaller step trades clipping error for rounding error (`quant.formats`).
-    Spelled on the command line as ``int4`` or ``int4:32`` (kind:group), ``int4:t64`` for the token axis, and
-    ``c0.9`` appended for a clipping ratio: ``int4c0.9``, ``int4:32c0.9``, ``int4:t64c0.9``.
+    rank:  integer kinds, channel axis only: store just the first `rank` channels of the path (a multiple of
+           the group); the others read back as 0 (0: store every channel). Meant for a path rotated so that
+           its energy sits in the leading channels (calibration's principal-axes start, `calibrate.content`):
+           the dropped channels cost no bytes, so the bits go where the signal is.
+    Spelled on the command line as ``int4`` or ``int4:32`` (kind:group), ``int4:t64`` for the token axis,
+    ``r256`` appended for a rank and ``c0.9`` for a clipping ratio: ``int4c0.9``, ``int4:32c0.9``,
+    ``int4:t64c0.9``, ``int8r128``, ``int4:32r256c0.9``.
     """
 
     kind: str
     group: int = -1  # -1: the kind's default
     axis: str = "channel"
     clip: float = 1.0
+    rank: int = 0
 
     def __post_init__(self):
         if self.kind not in FORMAT_KINDS:
@@ -65,6 +71,11 @@ class QuantFormat:
             raise ValueError(f"clipping ratio must be in (0, 1], got {self.clip}")
         if self.clip != 1 and not self.is_integer:
             raise ValueError(f"{self.kind} has no clipping ratio; only int8/int4/int2 do (e.g. int4c0.9)")
+        if self.rank:
+            if not self.is_integer or self.axis != "channel":
+                raise ValueError(f"only channel-grouped int8/int4/int2 store a rank (e.g. int8r128), not {self}")
+            if self.rank < 0 or self.rank % self.group:
+                raise ValueError(f"rank must be a positive multiple of the group ({self.group}), got {self.rank}")
 
     @property
     def bits(self) -> int:
@@ -74,25 +85,32 @@ class QuantFormat:
     def is_integer(self) -> bool:
         return self.kind.startswith("int")
 
+    def stored(self, dim: int) -> int:
+        """Channels of a `dim`-channel path this format stores: its rank, or all of them."""
+        return self.rank or dim
+
     @classmethod
     def parse(cls, spec: str | QuantFormat) -> QuantFormat:
         if isinstance(spec, QuantFormat):
             return spec
-        # No kind has a "c" in its name, so everything after one is the clipping ratio.
+        # No kind has a "c" or an "r" in its name: after a "c" comes the clipping ratio, after an "r" the rank.
         base, has_clip, clip_text = str(spec).strip().lower().partition("c")
         try:
             clip = float(clip_text) if has_clip else 1.0
         except ValueError:
             raise ValueError(f"bad format {spec!r}: expected a clipping ratio after 'c', e.g. int4:32c0.9") from None
+        base, has_rank, rank = base.partition("r")
+        if has_rank and not rank.isdigit():
+            raise ValueError(f"bad format {spec!r}: expected a rank after 'r', e.g. int8r128")
         kind, _, group = base.partition(":")
         if group.startswith("t"):  # token axis: int4:t64 (or int4:t for the default block)
             tokens = group[1:]
             if tokens and not tokens.isdigit():
                 raise ValueError(f"bad format {spec!r}: expected KIND:tTOKENS, e.g. int4:t64")
-            return cls(kind, int(tokens) if tokens else DEFAULT_TOKEN_GROUP, "token", clip)
+            return cls(kind, int(tokens) if tokens else DEFAULT_TOKEN_GROUP, "token", clip, int(rank or 0))
         if group and not group.isdigit():
             raise ValueError(f"bad format {spec!r}: expected KIND or KIND:GROUP, e.g. int4 or int4:32")
-        return cls(kind, int(group) if group else -1, "channel", clip)
+        return cls(kind, int(group) if group else -1, "channel", clip, int(rank or 0))
 
     def check_dim(self, dim: int, path: str = "cache") -> None:
         """Raise if the group size does not divide the path's width."""
@@ -102,18 +120,23 @@ class QuantFormat:
             raise ValueError(f"{path} format {self}: {dim} channels cannot be packed {8 // self.bits} per byte")
         if self.bits == 3 and dim % 8:
             raise ValueError(f"{path} format {self}: {dim} channels cannot be packed 8 per 3 bytes")
+        if self.rank > dim:
+            raise ValueError(f"{path} format {self}: rank {self.rank} exceeds its {dim} channels")
 
     def fit(self, dim: int) -> QuantFormat:
         """This format for a path of `dim` channels: a group wider than the path becomes the whole path."""
-        return QuantFormat(self.kind, dim, clip=self.clip) if self.group > dim and self.axis == "channel" else self
+        if self.group > dim and self.axis == "channel" and not self.rank:
+            return QuantFormat(self.kind, dim, clip=self.clip)
+        return self
 
     def __str__(self) -> str:
         clip = "" if self.clip == 1 else f"c{self.clip!r}"
+        rank = f"r{self.rank}" if self.rank else ""
         if self.axis == "token":
             return f"{self.kind}:t{self.group}{clip}"
         if self.kind == "bf16" or self.group == DEFAULT_GROUP[self.kind]:
-            return self.kind + clip
-        return f"{self.kind}:{self.group}{clip}"
+            return self.kind + rank + clip
+        return f"{self.kind}:{self.group}{rank}{clip}"
 
 
 @dataclass(frozen=True)

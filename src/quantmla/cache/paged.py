@@ -11,7 +11,7 @@ of `quantmla.quant.formats` (the pool holds `quantize()`'s output, row for row):
                                                       int2: channel 4i+k in bits 2k..2k+1 of byte i
                   scale fp16    [NB, P, dim/g]        x ~= code * scale + zero (a clipping ratio,
                                                       QuantFormat.clip, changes only how scale/zero are chosen)
-                  zero  fp16    [NB, P, dim/g]
+                  zero  fp16    [NB, P, dim/g]        ranked (`int8r128`): dim is the rank, the rest reads as 0
   token-axis      codes uint8   [NB, P, dim*bits/8]   as above, one row per token
   int8/int4/int2  scale fp16    [NB, P/g, dim]        one per channel and block of g tokens (KIVI-style;
   (`int4:t64`)    zero  fp16    [NB, P/g, dim]        g must divide P)
@@ -117,7 +117,7 @@ class PagedPath:
         flat = [t.view(-1, t.shape[-1]) for t in self.tensors()]
         at = rows if scale_rows is None else scale_rows
         fmt = replace(self.fmt, group=1) if self.block > 1 else self.fmt
-        return dequantize(Packed(flat[0][rows], *(t[at] for t in flat[1:])), fmt, dtype)
+        return dequantize(Packed(flat[0][rows], *(t[at] for t in flat[1:])), fmt, dtype, self.dim)
 
     @property
     def page_bytes(self) -> int:
@@ -130,13 +130,14 @@ def _alloc_path(fmt: QuantFormat, dim: int, num_blocks: int, block_size: int, de
     lead = (num_blocks, block_size)
     if fmt.kind == "bf16":
         return PagedPath(fmt, dim, torch.full((*lead, dim), fill, dtype=dtype, device=device))
-    codes = torch.zeros((*lead, dim * fmt.bits // 8), dtype=torch.uint8, device=device)
+    stored = fmt.stored(dim)  # a ranked format's pools hold its first `rank` channels only
+    codes = torch.zeros((*lead, stored * fmt.bits // 8), dtype=torch.uint8, device=device)
     if fill != 0:
         codes.fill_(0xFF)  # 0xFF is NaN in e4m3 and the top code for integers
     if fmt.kind == "fp8":
         scale = torch.full((*lead, dim // fmt.group), fill, device=device) if fmt.group else None
         return PagedPath(fmt, dim, codes, scale)
-    shape = (num_blocks, block_size // fmt.group, dim) if fmt.axis == "token" else (*lead, dim // fmt.group)
+    shape = (num_blocks, block_size // fmt.group, dim) if fmt.axis == "token" else (*lead, stored // fmt.group)
     scale = torch.full(shape, fill, dtype=torch.float16, device=device)
     zero = torch.full(shape, fill, dtype=torch.float16, device=device)
     return PagedPath(fmt, dim, codes, scale, zero)
@@ -420,7 +421,7 @@ class PagedMLACache:
         if r.pool_old is not None:
             parts.append(path.read(r.pool_old, dt, r.pool_old_scale))
         if packed is not None:
-            parts.append(dequantize(packed, path.fmt, dt))
+            parts.append(dequantize(packed, path.fmt, dt, path.dim))
         parts += [tail_old, new_tail]
         band = evicted[r.band_start - r.evict_start :] if evicted is not None else x[:0]
         return torch.cat([p.to(dt) for p in parts if p is not None]), band.to(held).to(dt)

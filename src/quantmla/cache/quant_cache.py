@@ -130,8 +130,8 @@ class PathStore:
     def dequantized_body(self) -> torch.Tensor:
         """The body in the sink's dtype, rotated back where the path has an online rotation."""
         if self.rotation is None:
-            return dequantize(self.body, self.fmt, self.sink.dtype)
-        body = dequantize(self.body, self.fmt, torch.float32)
+            return dequantize(self.body, self.fmt, self.sink.dtype, self.sink.shape[-1])
+        body = dequantize(self.body, self.fmt, torch.float32, self.sink.shape[-1])
         return (body @ self.rotation.to(body.device)).to(self.sink.dtype)
 
     def tensors(self) -> list[torch.Tensor]:

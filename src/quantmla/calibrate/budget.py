@@ -5,9 +5,9 @@
 
 The budget is a fraction of the BF16 cache at `context` tokens (the sink + recent window counted in BF16).
 Every candidate format (`candidates`: bf16 and channel-grouped int8/int4/int2 at several group sizes, all
-servable) of every path and layer is scored by one common measure, the layer's attention-output NMSE with
-only that path quantized (RTN, the serving policy), on the fit + selection sequences (the report sequences
-stay untouched); a knapsack over the per-token bytes then picks, per path and layer, the formats of least
+servable; for the content path also `ranked_candidates`, scored in the principal axes they are meant for) of
+every path and layer is scored by one common measure, the layer's attention-output NMSE with only that path
+quantized (RTN, the serving policy), on the fit + selection sequences (the report sequences stay untouched); a knapsack over the per-token bytes then picks, per path and layer, the formats of least
 summed error that fit the budget. The transforms are fitted afterwards for the chosen formats, so the
 allocation sees RTN errors; calibration lowers them further (by different factors per format, which the
 allocation does not know).
@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from quantmla.calibrate.content import attention_heads, content_error
+from quantmla.calibrate.content import attention_heads, content_error, principal_axes
 from quantmla.calibrate.search import Splits
 from quantmla.capture import capture
 from quantmla.config import CacheConfig, QuantFormat
@@ -37,6 +37,19 @@ def candidates(dim: int, groups: tuple[int, ...]) -> list[QuantFormat]:
     """bf16 and int8/int4/int2 with every group of `groups` that divides `dim` (the whole path if none does)."""
     fits = [g for g in groups if g <= dim and dim % g == 0] or [dim]
     return [QuantFormat("bf16")] + [QuantFormat(k, g) for k in ("int8", "int4", "int2") for g in fits]
+
+
+RANK_FRACTIONS = (1 / 8, 1 / 4, 3 / 8, 1 / 2, 3 / 4)
+
+
+def ranked_candidates(dim: int) -> list[QuantFormat]:
+    """int8/int4/int2 storing the leading RANK_FRACTIONS of `dim` channels, in whole groups of 64 channels (of
+    dim / 8 for paths narrower than 512)."""
+    group = min(64, dim // 8)
+    if group < 1 or dim % group:
+        return []
+    ranks = sorted({round(f * dim / group) * group for f in RANK_FRACTIONS} - {0, dim})
+    return [QuantFormat(k, group, rank=r) for k in ("int8", "int4", "int2") for r in ranks]
 
 
 def fraction_at(body_bytes: float, bf16_bytes: int, cfg: CacheConfig, context: int) -> float:
@@ -77,9 +90,9 @@ def rope_error(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, cfg: CacheConfig, ref) 
 
 @torch.no_grad()
 def format_errors(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: CacheConfig,
-                  n_queries: int = 64) -> dict:
+                  n_queries: int = 64, ranked: bool = True) -> dict:
     """(layer, path) -> {QuantFormat: attention-output NMSE with that path of that layer alone quantized}, on
-    the fit + selection sequences of Splits.of(N)."""
+    the fit + selection sequences of Splits.of(N); ranked: also the content path's `ranked_candidates`."""
     splits = Splits.of(input_ids.shape[0])
     chosen = slice(splits.fit.start, splits.select.stop)
     ids = input_ids[chosen]
@@ -96,11 +109,19 @@ def format_errors(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: C
         ref = attention_heads(q_abs, q_pe, c, k_pe, w_uv, layer.softmax_scale, pos)
         gamma = torch.ones(c.shape[-1], device=c.device)
         eye = torch.eye(c.shape[-1], device=c.device)
+        axes = principal_axes(c, min(64, c.shape[-1] // 8), torch.Generator().manual_seed(0)).to(c.device)
+        rms = (c @ axes.T).pow(2).mean((0, 1)).sqrt()
+        axes_sigma = 1 / rms.clamp_min(rms.max() * 1e-4 + 1e-12)
         batch = (q_abs, q_pe, c, k_pe, w_uv, layer.softmax_scale, pos, ref)
+
+        def content(f, rotation=eye, sigma=gamma):
+            return float(content_error(batch, gamma, rotation, sigma, replace(cfg, content=f), fake_quantize))
+
         out[(layer.cache_idx, "content")] = {
-            f: 0.0 if f.kind == "bf16" else float(content_error(batch, gamma, eye, gamma, replace(cfg, content=f),
-                                                                fake_quantize))
-            for f in candidates(layer.kv_lora_rank, CONTENT_GROUPS)}
+            f: 0.0 if f.kind == "bf16" else content(f) for f in candidates(layer.kv_lora_rank, CONTENT_GROUPS)}
+        if ranked:
+            out[(layer.cache_idx, "content")].update(
+                {f: content(f, axes, axes_sigma) for f in ranked_candidates(layer.kv_lora_rank)})
         out[(layer.cache_idx, "rope")] = {
             f: 0.0 if f.kind == "bf16" else float(rope_error(q_abs, q_pe, c, k_pe, w_uv, layer.softmax_scale, pos,
                                                              replace(cfg, rope=f), ref))
@@ -139,7 +160,7 @@ def knapsack(items: list[list[tuple[float, int]]], capacity: int) -> list[int] |
 
 
 def choose_formats(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: CacheConfig, budget: float,
-                   context: int = CONTEXT) -> Allocation:
+                   context: int = CONTEXT, ranked: bool = True) -> Allocation:
     """Per path and layer, the candidate formats of least summed attention-output error (RTN) whose cache, at
     `context` tokens, is at most `budget` of BF16's (mean over layers). Raises ValueError when even int2
     everywhere exceeds the budget."""
@@ -152,7 +173,7 @@ def choose_formats(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: 
     # Mean body bytes per layer allowed: budget * context * bf16 = window * bf16 + (context - window) * body.
     body = (budget * context * bf16 - window * bf16) / max(context - window, 1)
     capacity = int(body * len(layers))
-    errors = format_errors(model, layers, input_ids, cfg)
+    errors = format_errors(model, layers, input_ids, cfg, ranked=ranked)
     keys = [(l.cache_idx, p) for l in layers for p in ("content", "rope")]
     dims = {"content": dc, "rope": dr}
     items = [[(e, bytes_per_token(f, dims[p])) for f, e in errors[(i, p)].items()] for i, p in keys]

@@ -8,9 +8,11 @@ recent window BF16), with Q~(c) = s*gamma * R^T ( Q(s*sigma * R c_hat) / (s*sigm
 quantize in the transformed space, map back, and compare in the original one (the fold makes the two spaces equivalent).
 R is parametrised with torch's orthogonal parametrization (Cayley map: its backward is far cheaper than the
 matrix exponential's at dc = 512), sigma by its logarithm.
-Starting points: identity (RTN), SmoothQuant's migration, and a randomized Hadamard rotation (spreads
-outlier channels over the group); the fit starts from the Hadamard one. The format (clipping ratio, group
-axis) is then chosen among `space.SearchSpace`'s points with the real objective.
+Starting points: identity (RTN), SmoothQuant's migration, a randomized Hadamard rotation (spreads
+outlier channels over the group) and the principal axes of c (`principal_axes`: energy sorted into the
+leading groups, which a ranked format, e.g. int8r128, stores and the rest it drops); the fit starts from the
+Hadamard one. The format (clipping ratio, group axis, rank) is then chosen among `space.SearchSpace`'s
+points with the real objective.
 """
 
 from __future__ import annotations
@@ -39,6 +41,21 @@ def random_hadamard(n: int, generator: torch.Generator | None = None) -> torch.T
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
     signs = torch.randint(0, 2, (n,), generator=generator).float() * 2 - 1
     return h * signs / n**0.5
+
+
+def principal_axes(x: torch.Tensor, group: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Orthogonal [d, d] for vectors x [..., d]: its rows are the eigenvectors of the second moment E[x x^T]
+    (not the covariance: the mean is signal the cache must keep too), by decreasing energy, then each run of
+    `group` rows mixed by its own random Hadamard so a group's channels share its energy evenly (one scale per
+    group). x @ R.T puts the energy in the leading groups: a ranked format keeps those."""
+    flat = x.detach().double().reshape(-1, x.shape[-1])
+    _, vecs = torch.linalg.eigh(flat.T @ flat / max(flat.shape[0], 1))
+    axes = vecs.flip(1).T.float()  # rows, by decreasing eigenvalue
+    d = x.shape[-1]
+    if group <= 1 or d % group:
+        return axes
+    mix = torch.block_diag(*[random_hadamard(group, generator) for _ in range(d // group)]).to(axes)
+    return mix @ axes
 
 
 def attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, delta=None, quantized=None):
@@ -86,6 +103,8 @@ def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, c
     dc = c.shape[-1]
     hadamard = random_hadamard(dc, g).to(c.device)
     c_rot_rms = ((c[splits.fit] / gamma) @ hadamard.T).pow(2).mean(dim=(0, 1)).sqrt()
+    axes = principal_axes(c[splits.fit] / gamma, cfg.content.group, g).to(c.device)
+    axes_rms = ((c[splits.fit] / gamma) @ axes.T).pow(2).mean(dim=(0, 1)).sqrt()
     # SmoothQuant (eval.baselines.smoothquant) on the fit sequences: c' = c * m, the signs of gamma as a
     # diagonal rotation (sigma must be > 0).
     m = smooth_scales(c[splits.fit].abs().amax((0, 1)), q_abs[splits.fit].abs().amax((0, 1, 2))).float()
@@ -95,6 +114,8 @@ def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, c
         "smoothquant": {"rotation": torch.diag(torch.where(gamma < 0, -1.0, 1.0)),
                         "log_sigma": torch.log((gamma.abs() * m).clamp_min(1e-12))},
         "hadamard": {"rotation": hadamard, "log_sigma": -torch.log(c_rot_rms.clamp_min(1e-6))},
+        # Channels far below the strongest are scaled as if 1e-4 of it: a ranked format drops them anyway.
+        "axes": {"rotation": axes, "log_sigma": -torch.log(axes_rms.clamp_min(axes_rms.max() * 1e-4 + 1e-12))},
     }
     if (gamma < 0).any():  # identity's sigma must be gamma itself: with negative entries use R = diag(sign)
         starts["identity"]["rotation"] = starts["smoothquant"]["rotation"].clone()
@@ -120,9 +141,17 @@ def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, c
         param_groups=[{"params": list(lin.parameters()), "lr": 2e-3}, {"params": [log_sigma], "lr": 1e-2}],
         steps=steps,
     )
-    points = {"identity": starts["identity"], "smoothquant": starts["smoothquant"], "calibrated": res.params}
-    formats = (space or SearchSpace(clips=())).formats(cfg.content, dc, int(q_pos.min()), cfg)
-    name, res.format, res.points = choose(points, formats, lambda p, fmt: true(p, select, fmt))
+    points = {"identity": starts["identity"], "smoothquant": starts["smoothquant"], "calibrated": res.params,
+              "axes": starts["axes"]}
+    formats = (space or SearchSpace(clips=(), ranked=False)).formats(cfg.content, dc, int(q_pos.min()), cfg,
+                                                                     ranked=True)
+    objective = lambda p, fmt: true(p, select, fmt)  # noqa: E731
+    name, res.format, res.points = choose(points, [f for f in formats if not f.rank], objective)
+    if ranked := [f for f in formats if f.rank]:  # they drop channels: only the principal axes are meant for them
+        r_name, r_format, r_points = choose({"axes": points["axes"]}, ranked, objective)
+        if r_points[f"{r_name}@{r_format}"] < res.points[f"{name}@{res.format}"]:
+            name, res.format = r_name, r_format
+        res.points.update(r_points)
     res.params, res.best = points[name], res.points[f"{name}@{res.format}"]
     res.report = {"identity": true(starts["identity"], report), "smoothquant": true(starts["smoothquant"], report),
                   "calibrated": true(res.params, report, res.format)}

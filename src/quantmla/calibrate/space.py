@@ -17,7 +17,7 @@ vLLM's plugin stores one packed row per token and so serves channel formats only
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from quantmla.cache.paged import PAGED_KINDS
 from quantmla.config import CLIPS, CacheConfig, QuantFormat
@@ -28,33 +28,55 @@ KIVI_TOKENS = 64
 PAGE = 64  # the engine's default page (`LLM(block_size=...)`): token-axis blocks must divide it
 
 
+def ranked_formats(base: QuantFormat, dim: int) -> list[QuantFormat]:
+    """For each integer kind with at least base's bits, the ranked format (base's group) of the most channels
+    whose bytes per token do not exceed base's, where that is fewer than `dim`: e.g. for int2 over 512
+    channels int8r128 (136 B) and int4r256 (144 B) against int2's 160 B. More stored channels at the same bits
+    are never worse, so the widest that fits is the one to try."""
+    out, limit = [], bytes_per_token(base, dim)
+    for kind in ("int8", "int4", "int2"):
+        fmt = QuantFormat(kind, base.group)
+        if fmt.bits < base.bits or fmt.bits == base.bits and not base.rank:
+            continue
+        fits = [r for r in range(base.group, dim, base.group)
+                if bytes_per_token(replace(fmt, rank=r), dim) <= limit]
+        if fits:
+            out.append(replace(fmt, rank=fits[-1]))
+    return out
+
+
 @dataclass(frozen=True)
 class SearchSpace:
     """clips: clipping ratios tried per path and layer (1.0: none). token_axis: also KIVI-style blocks of
     `kivi_tokens` tokens at the same bits (opt-in: the engine serves them on the CPU and, at few heads, a
     token-axis RoPE path on the GPU, slowly; the GPU decode kernel runs out of shared memory on a
     token-axis content path and at 128 heads (benchmarks/results/decode_kernel_formats.md); not the vLLM
-    plugin)."""
+    plugin). ranked: on the content path also ranked formats of no more bytes (`ranked_formats`; served by
+    the engine and the Triton kernel, not yet by the vLLM plugin)."""
 
     clips: tuple[float, ...] = CLIPS
     token_axis: bool = False
     kivi_tokens: int = KIVI_TOKENS
+    ranked: bool = True
 
     def formats(self, base: QuantFormat, dim: int, first_query: int | None = None,
-                cfg: CacheConfig | None = None) -> list[QuantFormat]:
+                cfg: CacheConfig | None = None, ranked: bool = False) -> list[QuantFormat]:
         """The formats tried for a path of `dim` channels asked to be stored as `base`: base itself first,
         then base with every clipping ratio, then (token_axis) the token-axis format of the same bits with
         every ratio, kept only where it takes no more bytes per token than base and, given the first scored
         query position and cfg's window, where that query already sees a quantized block (in shorter
-        calibration sequences a token-axis point would score 0 for quantizing nothing). Non-integer
-        formats: base."""
+        calibration sequences a token-axis point would score 0 for quantizing nothing); then, where the
+        caller's path can drop channels (`ranked`: the content path, whose rotation is free) and self.ranked,
+        `ranked_formats` with every ratio. Non-integer formats: base."""
         if not base.is_integer:
             return [base]
-        out = [QuantFormat(base.kind, base.group, base.axis, c) for c in (base.clip, *self.clips)]
+        out = [replace(base, clip=c) for c in (base.clip, *self.clips)]
         seen = first_query is None or quantized_end(first_query + 1, cfg.sink, cfg.recent, self.kivi_tokens) > cfg.sink
         if self.token_axis and base.axis == "channel" and seen:
             token = [QuantFormat(base.kind, self.kivi_tokens, "token", c) for c in (1.0, *self.clips)]
             out += [f for f in token if bytes_per_token(f, dim) <= bytes_per_token(base, dim)]
+        if ranked and self.ranked and base.axis == "channel":
+            out += [replace(f, clip=c) for f in ranked_formats(base, dim) for c in (1.0, *self.clips)]
         return list(dict.fromkeys(out))  # unique, in order
 
     @staticmethod

@@ -29,6 +29,8 @@ so that in the accuracy table only the quantizer differs.
                calibration windows, both as `quantmla calibrate --budget F` has them), then calibrated for.
   quantmla-t   the same with token-axis (KIVI-style) groups in the search too (`quantmla calibrate
                --token-axis`; on the GPU the decode kernel serves them only on the RoPE path at few heads).
+  quantmla-c   the same without ranked content formats (`quantmla calibrate --no-ranked`): every channel
+               stored, as the vLLM plugin serves; the search quantmla had before ranked formats.
 """
 
 from __future__ import annotations
@@ -208,6 +210,7 @@ class Calibration:
     steps: int = 100
     seed: int = 0
     token_axis: bool = False  # also search KIVI-style token-axis groups (`quantmla calibrate --token-axis`)
+    ranked: bool = True  # also search ranked content formats (`quantmla calibrate --ranked`, the default)
 
 
 def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -> tuple[nn.Module, CacheConfig]:
@@ -242,12 +245,12 @@ def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -
     model = copy.deepcopy(model)
     layers = describe(model)
     if args.budget is not None:
-        allocation = choose_formats(model, layers, ids, config, args.budget)
+        allocation = choose_formats(model, layers, ids, config, args.budget, ranked=calibration.ranked)
         config = allocation.config
         print(f"quantmla: {allocation.summary()}", flush=True)
     torch.manual_seed(calibration.seed)  # after the format choice, as `quantmla calibrate` seeds
     reports = calibrate_model(model, layers, ids, config, calibration.steps, calibration.seed,
-                              space=SearchSpace(token_axis=calibration.token_axis))
+                              space=SearchSpace(token_axis=calibration.token_axis, ranked=calibration.ranked))
     return model, chosen_config(config.fit(layers[0].kv_lora_rank, layers[0].rope_dim), reports)
 
 
@@ -256,5 +259,10 @@ def quantmla_token_axis(model: nn.Module, args) -> tuple[nn.Module, CacheConfig]
     return quantmla(model, args, Calibration(token_axis=True))
 
 
+def quantmla_channels(model: nn.Module, args) -> tuple[nn.Module, CacheConfig]:
+    """quantmla without ranked content formats (`quantmla calibrate --no-ranked`)."""
+    return quantmla(model, args, Calibration(ranked=False))
+
+
 BASELINES = {"fp4": fp4, "turboquant": turboquant, "kivi": kivi, "quarot": quarot, "smoothquant": smoothquant,
-             "quantmla": quantmla, "quantmla-t": quantmla_token_axis}
+             "quantmla": quantmla, "quantmla-t": quantmla_token_axis, "quantmla-c": quantmla_channels}

@@ -223,9 +223,10 @@ def append_decode_fused(
 ) -> None:
     """`cache.append_decode(slots, block_tables, seq_lens, c, k_pe, checked=False)` in one kernel launch
     (see the module docstring). checked=True, CPU tensors outside TRITON_INTERPRET=1, or a cache with a
-    token-axis path (whose blocks the kernel does not write) run the torch writer."""
+    token-axis path (whose blocks the kernel does not write) or a ranked one run the torch writer."""
     token_axis = cache.content.block > 1 or cache.rope.block > 1
-    if checked or token_axis or triton is None or not (c.is_cuda or _interpreting()):
+    ranked = cache.content.fmt.rank or cache.rope.fmt.rank
+    if checked or token_axis or ranked or triton is None or not (c.is_cuda or _interpreting()):
         cache.append_decode(slots, block_tables, seq_lens, c, k_pe, checked=checked)
         return
     B = c.shape[0]

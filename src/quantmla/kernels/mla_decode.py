@@ -253,8 +253,10 @@ if triton is not None:
         ASM: tl.constexpr,
         ROW: tl.constexpr,
         SZ_ROW: tl.constexpr,
+        NGS: tl.constexpr,
     ):
-        """Pool rows `rows` [BLOCK_N] (int64) -> bf16 [BLOCK_N, DIM]; invalid rows read as 0. Scale/zero come from
+        """Pool rows `rows` [BLOCK_N] (int64) -> bf16 [BLOCK_N, DIM]; invalid rows read as 0. NGS: the groups
+        the pool stores (DIM // GROUP, fewer for a ranked format: the other channels read as 0, unloaded). Scale/zero come from
         rows `sz_rows` [BLOCK_N] of their pools: one per group of GROUP channels, or with TOKEN (a token-axis
         path; GROUP = DIM) one per channel. ROW / SZ_ROW: elements from one row to the next in the codes /
         scale and zero pools (their widths for contiguous pools; more where the pools are fields of one
@@ -272,7 +274,11 @@ if triton is not None:
             g = tl.arange(0, NG)
             j = tl.arange(0, GB)
             ptr = codes_ptr + rows[:, None, None] * ROW + g[None, :, None] * GB + j[None, None, :]
-            w = tl.load(ptr, mask=valid[:, None, None], other=0)  # uint8 [BLOCK_N, NG, GB]
+            if NGS < NG:  # ranked: groups past the stored ones are neither read nor nonzero
+                vg = valid[:, None] & (g < NGS)[None, :]
+            else:
+                vg = valid[:, None]
+            w = tl.load(ptr, mask=vg[:, :, None], other=0)  # uint8 [BLOCK_N, NG, GB]
             if TOKEN:  # one scale and zero per channel: [BLOCK_N, DIM]
                 sg = sz_rows[:, None] * SZ_ROW + tl.arange(0, DIM)[None, :]
             else:
@@ -283,8 +289,8 @@ if triton is not None:
                     v = v * tl.load(scale_ptr + sg, mask=valid[:, None], other=0.0)[:, :, None]
                 v = tl.reshape(v, [BLOCK_N, DIM]).to(tl.bfloat16)
             else:  # asymmetric integers: x = code * scale + zero
-                sc = tl.load(scale_ptr + sg, mask=valid[:, None], other=0.0).to(tl.float32)
-                zr = tl.load(zero_ptr + sg, mask=valid[:, None], other=0.0).to(tl.float32)
+                sc = tl.load(scale_ptr + sg, mask=vg, other=0.0).to(tl.float32)
+                zr = tl.load(zero_ptr + sg, mask=vg, other=0.0).to(tl.float32)
                 if ASM and BITS < 8:  # the PTX takes code - mid, so its zero is the group centre z + mid * scale
                     zc = (zr + (1 << (BITS - 1)) * sc).to(tl.bfloat16)
                     s_hi = sc.to(tl.bfloat16)
@@ -419,6 +425,8 @@ if triton is not None:
         R_SCALED: tl.constexpr,
         R_ROW: tl.constexpr,
         R_SZ_ROW: tl.constexpr,
+        C_NGS: tl.constexpr,  # scale groups each path stores (fewer than dim / group for a ranked format)
+        R_NGS: tl.constexpr,
         C_BLK: tl.constexpr,  # tokens per quantized block: 1, or a token-axis format's group
         R_BLK: tl.constexpr,
         PAGE: tl.constexpr,
@@ -485,8 +493,8 @@ if triton is not None:
             rows = tl.load(bt_row + pos0 // PAGE).to(tl.int64) * PAGE + pos0 % PAGE + tl.arange(0, BLOCK_N)
             cs = _scale_rows(bt_row, pos, rows, valid, SINK, PAGE, C_BLK)
             rs = _scale_rows(bt_row, pos, rows, valid, SINK, PAGE, R_BLK)
-            c = _load_tile(cc_ptr, cs_ptr, cz_ptr, rows, cs, valid, DC, C_KIND, C_BITS, C_GROUP, C_BLK > 1, C_SCALED, BLOCK_N, USE_ASM, C_ROW, C_SZ_ROW)
-            r = _load_tile(rc_ptr, rs_ptr, rz_ptr, rows, rs, valid, DR, R_KIND, R_BITS, R_GROUP, R_BLK > 1, R_SCALED, BLOCK_N, USE_ASM, R_ROW, R_SZ_ROW)
+            c = _load_tile(cc_ptr, cs_ptr, cz_ptr, rows, cs, valid, DC, C_KIND, C_BITS, C_GROUP, C_BLK > 1, C_SCALED, BLOCK_N, USE_ASM, C_ROW, C_SZ_ROW, C_NGS)
+            r = _load_tile(rc_ptr, rs_ptr, rz_ptr, rows, rs, valid, DR, R_KIND, R_BITS, R_GROUP, R_BLK > 1, R_SCALED, BLOCK_N, USE_ASM, R_ROW, R_SZ_ROW, R_NGS)
             m_i, l_i, acc = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T, V_T, F32_DOT)
 
         # Protected BF16 rows, in position order: the sink positions, then [q_hi, L) from each path's ring
@@ -503,16 +511,16 @@ if triton is not None:
                 bf_r = valid & ((p < SINK) | (p >= q_r))
                 rows_c = slot * (SINK + C_RING) + tl.where(p < SINK, p, SINK + (p - SINK) % (C_RING + (C_RING == 0)))
                 rows_r = slot * (SINK + R_RING) + tl.where(p < SINK, p, SINK + (p - SINK) % (R_RING + (R_RING == 0)))
-                c = _load_tile(pc_ptr, pc_ptr, pc_ptr, rows_c, rows_c, bf_c, DC, 0, 16, DC, False, False, BLOCK_N, USE_ASM, DC, DC)
-                r = _load_tile(pr_ptr, pr_ptr, pr_ptr, rows_r, rows_r, bf_r, DR, 0, 16, DR, False, False, BLOCK_N, USE_ASM, DR, DR)
+                c = _load_tile(pc_ptr, pc_ptr, pc_ptr, rows_c, rows_c, bf_c, DC, 0, 16, DC, False, False, BLOCK_N, USE_ASM, DC, DC, 1)
+                r = _load_tile(pr_ptr, pr_ptr, pr_ptr, rows_r, rows_r, bf_r, DR, 0, 16, DR, False, False, BLOCK_N, USE_ASM, DR, DR, 1)
                 if MIXED:
                     pooled_c = valid & ~bf_c
                     pooled_r = valid & ~bf_r
                     prow = tl.load(bt_row + p // PAGE, mask=valid, other=0).to(tl.int64) * PAGE + p % PAGE
                     cs = _scale_rows(bt_row, p, prow, pooled_c, SINK, PAGE, C_BLK)
                     rs = _scale_rows(bt_row, p, prow, pooled_r, SINK, PAGE, R_BLK)
-                    c_q = _load_tile(cc_ptr, cs_ptr, cz_ptr, prow, cs, pooled_c, DC, C_KIND, C_BITS, C_GROUP, C_BLK > 1, C_SCALED, BLOCK_N, USE_ASM, C_ROW, C_SZ_ROW)
-                    r_q = _load_tile(rc_ptr, rs_ptr, rz_ptr, prow, rs, pooled_r, DR, R_KIND, R_BITS, R_GROUP, R_BLK > 1, R_SCALED, BLOCK_N, USE_ASM, R_ROW, R_SZ_ROW)
+                    c_q = _load_tile(cc_ptr, cs_ptr, cz_ptr, prow, cs, pooled_c, DC, C_KIND, C_BITS, C_GROUP, C_BLK > 1, C_SCALED, BLOCK_N, USE_ASM, C_ROW, C_SZ_ROW, C_NGS)
+                    r_q = _load_tile(rc_ptr, rs_ptr, rz_ptr, prow, rs, pooled_r, DR, R_KIND, R_BITS, R_GROUP, R_BLK > 1, R_SCALED, BLOCK_N, USE_ASM, R_ROW, R_SZ_ROW, R_NGS)
                     c = tl.where(bf_c[:, None], c, c_q)
                     r = tl.where(bf_r[:, None], r, r_q)
                 m_i, l_i, acc = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T, V_T, F32_DOT)
@@ -562,6 +570,12 @@ def _path_args(path: PagedPath) -> tuple[list[torch.Tensor], tuple[int, int, int
     if path.dim & (path.dim - 1) or group & (group - 1):
         raise ValueError(f"the kernel needs power-of-two dims and groups, got dim {path.dim}, group {group}")
     return [codes, scale, zero], (KIND_CODE[fmt.kind], fmt.bits, group, path.scale is not None)
+
+
+def _stored_groups(path: PagedPath) -> int:
+    """Scale groups of a token the pool stores (for a ranked format, those of its first `rank` channels)."""
+    group = path.dim if path.fmt.axis == "token" else path.fmt.group or path.dim
+    return path.fmt.stored(path.dim) // group
 
 
 def _row_strides(path: PagedPath) -> tuple[int, int]:
@@ -672,7 +686,7 @@ def mla_decode(
                 block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
                 H, num_splits, sm_scale * LOG2E,
                 dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
-                cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
+                _stored_groups(cache.content), _stored_groups(cache.rope), cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
                 cfg.block_h, block_n, cfg.scores_t, cfg.values_t, use_asm, _interpreting())  # fmt: skip
     except OutOfResources as e:
         token = [f"{name} {p.fmt}" for name, p in (("content", cache.content), ("rope", cache.rope)) if p.block > 1]

@@ -57,6 +57,8 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
     if cache.content.block > 1 or cache.rope.block > 1:
         return (f"token-axis formats are not supported (got {cache.content.fmt}/{cache.rope.fmt}: scales per "
                 "block of tokens and a longer BF16 ring)")
+    if cache.content.fmt.rank or cache.rope.fmt.rank:
+        return f"ranked formats are not supported (got {cache.content.fmt}/{cache.rope.fmt})"
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return "not a CUDA device"
@@ -95,12 +97,14 @@ def decode_kernel_name(cache, num_heads: int, device) -> str:
     $QUANTMLA_DECODE_KERNEL: "triton" always Triton; "cuda" the CUDA kernel (mla_decode raises if it cannot
     run); "gluon" the Hopper Gluon kernel of `mla_decode_gluon` (opt-in, never chosen by "auto"; raises
     ValueError if it cannot run); "auto" (default) the CUDA kernel where it is supported and num_heads <= AUTO_CUDA_MAX_HEADS (0 for
-    now: the CUDA kernel is opt-in until it is measured faster). A cache with a token-axis path is always
-    Triton's: the CUDA kernel does not read token-axis scales."""
+    now: the CUDA kernel is opt-in until it is measured faster). A cache with a token-axis or a ranked path
+    is always Triton's: the other kernels read neither token-axis scales nor partial rows."""
     choice = os.environ.get(ENV, "auto").lower()
     if choice not in ("triton", "cuda", "gluon", "auto"):
         raise ValueError(f"{ENV} must be triton, cuda, gluon or auto, got {choice!r}")
     if choice == "triton" or cache.content.block > 1 or cache.rope.block > 1:
+        return "triton"
+    if cache.content.fmt.rank or cache.rope.fmt.rank:
         return "triton"
     if choice in ("cuda", "gluon"):
         return choice

@@ -835,7 +835,7 @@ def unsupported_reason(cache: PagedMLACache, num_heads: int, device) -> str | No
         return f"triton.experimental.gluon is not available ({_GLUON_ERROR})"
     for name, path, dim in (("content", cache.content, DC), ("rope", cache.rope, DR)):
         f = path.fmt
-        if f.kind != "int4" or f.axis == "token" or path.block > 1:
+        if f.kind != "int4" or f.axis == "token" or path.block > 1 or f.rank:
             return f"needs {name} int4 with channel groups, got {f}"
         if f.group != GROUP:
             return f"needs {name} group {GROUP}, got {f.group}"

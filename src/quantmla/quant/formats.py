@@ -16,6 +16,8 @@ Integer formats are asymmetric: x ~= code * scale + zero, code in [0, 2^bits - 1
 With a clipping ratio r < 1 (QuantFormat.clip) the codes span the middle fraction r of the group's range:
 zero = min + (max - min) * (1 - r) / 2, scale from (max - min) * r; values beyond clip to the end codes.
 The bytes are the same as without clipping, and dequantizing is unchanged (code * scale + zero).
+A ranked format (QuantFormat.rank = k, e.g. int8r128) stores channels [0, k) exactly as the format without a
+rank stores a k-channel path (bytes: that of k channels); channels [k, dim) are not stored and dequantize to 0.
 Token-axis integer formats (QuantFormat.axis == "token", KIVI-style) quantize x [..., n, dim] with n a
 multiple of the block of g tokens: codes uint8 [..., n, dim*bits/8] packed along channels as above; scale,
 zero fp16 [..., n/g, dim], one per channel and block   -> dim*bits/8 + 4*dim/g bytes per token on average.
@@ -24,7 +26,7 @@ zero fp16 [..., n/g, dim], one per channel and block   -> dim*bits/8 + 4*dim/g b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import torch
@@ -212,6 +214,8 @@ def quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor", checked: b
     divide the dim. checked=False skips the value checks, which read the data on the host (a device sync):
     for a CUDA graph's decode step, where the caller vouches for its input; NaN then yields garbage codes."""
     fmt.check_dim(x.shape[-1], what)
+    if fmt.rank:
+        x = x[..., : fmt.rank]
     if fmt.kind == "bf16":
         return Packed(x)  # passthrough: the protected precision is whatever the model computes in
     if checked:
@@ -236,8 +240,19 @@ def quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor", checked: b
     return Packed(pack_bits(codes.flatten(-2), bits), scale, zero)
 
 
-def dequantize(p: Packed, fmt: QuantFormat, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Inverse of quantize (up to rounding), returned in `dtype`."""
+def dequantize(p: Packed, fmt: QuantFormat, dtype: torch.dtype = torch.float32, dim: int | None = None
+               ) -> torch.Tensor:
+    """Inverse of quantize (up to rounding), returned in `dtype`. dim: the path's channels, needed for a ranked
+    format (its unstored channels [rank, dim) come back as zeros)."""
+    if not fmt.rank:
+        return _dequantize(p, fmt, dtype)
+    if dim is None:
+        raise ValueError(f"dequantizing the ranked format {fmt} needs the path's width (dim=)")
+    x = _dequantize(p, fmt, dtype)
+    return torch.nn.functional.pad(x, (0, dim - x.shape[-1]))
+
+
+def _dequantize(p: Packed, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
     if fmt.kind == "bf16":
         return p.codes.to(dtype)
     if fmt.axis == "token":
@@ -258,13 +273,14 @@ def dequantize(p: Packed, fmt: QuantFormat, dtype: torch.dtype = torch.float32) 
 
 def fake_quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor") -> torch.Tensor:
     """quantize then dequantize, in x's dtype: what the model sees after a trip through the cache."""
-    return dequantize(quantize(x, fmt, what), fmt, x.dtype)
+    return dequantize(quantize(x, fmt, what), fmt, x.dtype, x.shape[-1])
 
 
 def bytes_per_token(fmt: QuantFormat, dim: int) -> int | float:
     """Exact bytes one token of a `dim`-channel path occupies in this format, scales included.
     Token-axis formats: the average over a block of fmt.group tokens (a float when it is not whole)."""
     fmt.check_dim(dim)
+    dim = fmt.stored(dim)
     if fmt.kind == "bf16":
         return 2 * dim
     if fmt.axis == "token":
@@ -289,6 +305,9 @@ def fake_quantize_ste(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     """
     if fmt.kind == "bf16":
         return x
+    if fmt.rank:  # unstored channels read back as 0: no gradient reaches them through the cache
+        return torch.nn.functional.pad(fake_quantize_ste(x[..., : fmt.rank], replace(fmt, rank=0)),
+                                       (0, x.shape[-1] - fmt.rank))
     if fmt.axis == "token":  # the same quantizer along tokens: x [..., n, dim], n whole blocks
         return fake_quantize_ste(x.transpose(-1, -2), QuantFormat(fmt.kind, fmt.group, clip=fmt.clip)
                                  ).transpose(-1, -2)
