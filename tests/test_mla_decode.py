@@ -408,6 +408,8 @@ GPU_CASES = [
     ("fp8", "bf16", True),
     ("int4", "int4", False),  # the plain-Triton dequantization, on the GPU
     ("int4", "int4:t64", True),  # token-axis (KIVI) rope: per-channel scales per block of 64 tokens
+    ("int8r128", "int4", True),  # ranked content: the PTX path with the unstored groups masked to 0
+    ("int4r256", "int4", True),
     *(pytest.param(*case, marks=TOKEN_SMEM) for case in [("int4:t64", "int4:t64", True),
                                                          ("int2:t64", "int4:t64", True), ("int2:t64", "int4", False)]),
 ]

@@ -78,9 +78,10 @@ def test_row_bytes():
     assert layout.row_bytes(CacheConfig.bf16(), 512, 64) == 1152  # vLLM's own row
     assert layout.row_bytes(CacheConfig("int2", "int4"), 512, 64) == 196
     assert layout.row_bytes(CacheConfig("fp8", "bf16"), 512, 64) == 528 + 128
+    assert layout.row_bytes(CacheConfig("int8r128", "int4"), 512, 64) == 136 + 36  # ranked: leading 128 channels
 
 
-@pytest.mark.parametrize("spec", ["int4,int4", "int2,int4", "fp8,int8", "bf16", "int4,bf16"])
+@pytest.mark.parametrize("spec", ["int4,int4", "int2,int4", "fp8,int8", "bf16", "int4,bf16", "int8:16r32,int4"])
 def test_attach_matches_standalone_cache(spec):
     """The same appends through the vLLM-tensor cache and through a standalone PagedMLACache give the same
     dequantized sequences; a block zeroed in vLLM's tensor (as vLLM does to new blocks) loses only its own
@@ -113,7 +114,7 @@ def _tokens(n, dc, dr, g):
     return torch.randn(n, dc, generator=g), torch.randn(n, dr, generator=g)
 
 
-@pytest.mark.parametrize("spec", ["int4,int4", "fp8,bf16"])
+@pytest.mark.parametrize("spec", ["int4,int4", "fp8,bf16", "int8r128,int4"])
 def test_kernel_reads_the_packed_rows(spec):
     """The Triton decode kernel (the CUDA path; here in the interpreter) over pools that are fields of vLLM's
     packed rows matches the torch oracle on the same cache."""

@@ -208,7 +208,6 @@ def cmd_calibrate(args) -> None:
     chosen = chosen_config(cfg, reports)
     unservable = sorted({str(f) for pair in chosen.per_layer for f in pair if not SearchSpace.servable(f)})
     token = sorted({str(f) for pair in chosen.per_layer for f in pair if f.axis == "token"})
-    ranked = sorted({str(f) for pair in chosen.per_layer for f in pair if f.rank})
     from quantmla.calibrate.budget import fraction_at
     from quantmla.eval.suite import body_bytes_per_token
 
@@ -221,9 +220,7 @@ def cmd_calibrate(args) -> None:
                   + ("yes" if not unservable else f"no: {', '.join(unservable)}")
                   + (f"; by the vLLM plugin: no, token-axis {', '.join(token)} (calibrate without --token-axis "
                      "for vLLM); on the GPU the decode kernel serves token-axis formats only on the RoPE path "
-                     "at <= 16 heads" if token else "")
-                  + (f"; by the vLLM plugin: no, ranked {', '.join(ranked)} (calibrate with --no-ranked for vLLM)"
-                     if ranked and not token else ""), soft_wrap=True)
+                     "at <= 16 heads" if token else ""), soft_wrap=True)
     if args.streaming:
         out = result.out_dir
         console.print(f"peak resident weights {result.peak_weight_bytes / 2**20:.1f} MiB of "
@@ -420,7 +417,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--ranked", action=argparse.BooleanOptionalAction, default=True,
                    help="also try, on the content path, ranked formats of no more bytes (e.g. int8r128 for int2: "
                         "the principal axes' leading channels at more bits, the rest dropped). Served by "
-                        "`quantmla serve` on the CPU and GPU; not by the vLLM plugin yet (--no-ranked for vLLM)")
+                        "`quantmla serve` and the vLLM plugin like any channel format")
     s.add_argument("--budget", type=float,
                    help="cache size as a fraction of BF16's at --context tokens, e.g. 0.27: choose bits and group "
                         "size per path and layer (bf16, int8/int4/int2 channel groups, ranked content formats unless "

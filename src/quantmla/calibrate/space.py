@@ -12,7 +12,7 @@ serve: channel-grouped integer formats (a clipping ratio changes only how the wr
 and, with `token_axis=True` (`quantmla calibrate --token-axis`), token-axis (KIVI-style) ones, whose
 blocks of `kivi_tokens` tokens must divide the engine's page (`PAGE`, its default block size). Those are
 opt-in: on the GPU the decode kernel serves only a token-axis RoPE path at few heads (see SearchSpace).
-vLLM's plugin stores one packed row per token and so serves channel formats only.
+vLLM's plugin stores one packed row per token and so serves channel formats only (ranked ones included).
 """
 
 from __future__ import annotations
@@ -51,8 +51,8 @@ class SearchSpace:
     `kivi_tokens` tokens at the same bits (opt-in: the engine serves them on the CPU and, at few heads, a
     token-axis RoPE path on the GPU, slowly; the GPU decode kernel runs out of shared memory on a
     token-axis content path and at 128 heads (benchmarks/results/decode_kernel_formats.md); not the vLLM
-    plugin). ranked: on the content path also ranked formats of no more bytes (`ranked_formats`; served by
-    the engine and the Triton kernel, not yet by the vLLM plugin)."""
+    plugin). ranked: on the content path also ranked formats of no more bytes (`ranked_formats`; channel
+    formats, served everywhere; on the GPU only the Triton decode kernel reads them)."""
 
     clips: tuple[float, ...] = CLIPS
     token_axis: bool = False

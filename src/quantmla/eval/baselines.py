@@ -30,7 +30,7 @@ so that in the accuracy table only the quantizer differs.
   quantmla-t   the same with token-axis (KIVI-style) groups in the search too (`quantmla calibrate
                --token-axis`; on the GPU the decode kernel serves them only on the RoPE path at few heads).
   quantmla-c   the same without ranked content formats (`quantmla calibrate --no-ranked`): every channel
-               stored, as the vLLM plugin serves; the search quantmla had before ranked formats.
+               stored; the search quantmla had before ranked formats.
 """
 
 from __future__ import annotations

@@ -38,9 +38,7 @@ def _fields(fmt: QuantFormat, dim: int) -> list[tuple[str, torch.dtype, int]]:
         raise ValueError(f"quantmla's vLLM backend stores one packed row per token; the token-axis format {fmt} "
                          "keeps its scales per block of tokens (served by `quantmla serve` only; for vLLM "
                          "calibrate without `--token-axis`)")
-    if fmt.rank:
-        raise ValueError(f"quantmla's vLLM backend does not store ranked formats yet ({fmt}); they are served by "
-                         "`quantmla serve` and the library")
+    dim = fmt.stored(dim)  # a ranked format's row holds its leading `rank` channels only
     codes = ("codes", torch.uint8, dim * fmt.bits // 8)
     if fmt.kind == "fp8":
         return [codes, ("scale", torch.float32, dim // fmt.group)] if fmt.group else [codes]
