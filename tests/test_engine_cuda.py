@@ -18,7 +18,7 @@ TOKEN_CONTENT = pytest.mark.xfail(raises=ValueError, strict=False, reason="token
 
 
 @pytest.mark.parametrize("fmts", [("bf16", "bf16"), ("int4", "int4"), ("int2", "int4"), ("fp8", "bf16"),
-                                  ("int4", "int4:t64"), pytest.param(("int2:t64", "int4:t64"), marks=TOKEN_CONTENT)])
+                                  ("int4", "int4:t64"), ("int8r128", "int4"), pytest.param(("int2:t64", "int4:t64"), marks=TOKEN_CONTENT)])
 def test_cuda_graph_decode_equals_eager(fmts):
     """Graph replay and eager decode run the same kernels with the same split: identical greedy tokens."""
     params = SamplingParams(max_tokens=48, ignore_eos=True)

@@ -464,7 +464,7 @@ def test_kernel_cuda_graph_replay():
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU: CUDA graphs and the CUDA sync checker")
-@pytest.mark.parametrize("fmts", [("int4", "int4"), ("int4", "int4:t64")])
+@pytest.mark.parametrize("fmts", [("int4", "int4"), ("int4", "int4:t64"), ("int8r128", "int4")])
 def test_decode_step_writer_and_kernel_in_one_cuda_graph(fmts):
     """An engine's decode step — append the new token (unchecked: no host sync), attend over the grown
     cache — captured once as a CUDA graph and replayed step after step, equals the eager checked writer
