@@ -110,6 +110,31 @@ def test_attach_matches_standalone_cache(spec):
         assert not torch.equal(before[2], after[2])
 
 
+def test_per_layer_formats_share_the_widest_row():
+    """Each cache index packs its own formats into rows as wide as the widest layer's: appends through the
+    vLLM tensor equal a standalone PagedMLACache of that layer's formats, and a layer's fields stay inside
+    its own row."""
+    dc, dr, P, nb = 64, 16, 4, 24
+    cfg = CacheConfig.from_dict({"content": "int4", "rope": "int4", "sink": 2, "recent": 5,
+                                 "layers": [["int4:16", "int4"], ["int8:16r32", "int2:8"], ["int2:16", "int4c0.9"]]})
+    cfg = cfg.fit(dc, dr)
+    rows = [layout.row_bytes(cfg.at(i), dc, dr) for i in range(3)]
+    assert layout.row_bytes(cfg, dc, dr) == max(rows) and len(set(rows)) == 3
+    lens = [3, 11, 17]
+    tables, _ = make_block_tables([n + 4 for n in lens], P, nb, generator=torch.Generator().manual_seed(0))
+    for i in range(3):
+        kv = torch.zeros(nb, P, max(rows), dtype=torch.uint8)
+        ours = layout.attach(kv, cfg, dc, dr, max_seqs=3, layer=i)
+        ref = PagedMLACache.allocate(cfg.at(i), dc, dr, nb, 3, block_size=P)
+        assert ours.content.fmt == cfg.at(i).content and ours.rope.fmt == cfg.at(i).rope
+        for cache in (ours, ref):
+            for s, n in enumerate(lens):
+                cache.append(s, tables[s], 0, *_tokens(n, dc, dr, torch.Generator().manual_seed(s)))
+        for s, n in enumerate(lens):
+            torch.testing.assert_close(ours.gather(s, tables[s], n), ref.gather(s, tables[s], n), rtol=0, atol=0)
+        assert not kv[..., rows[i]:].any()  # nothing past the layer's own fields
+
+
 def _tokens(n, dc, dr, g):
     return torch.randn(n, dc, generator=g), torch.randn(n, dr, generator=g)
 
@@ -213,6 +238,13 @@ def _kv_tokens(log: str) -> int:
     return int(m.group(1).replace(",", ""))
 
 
+# A calibrated checkpoint's section chooses formats per layer (clipping, group sizes, ranks): each layer's
+# pools follow its own, in rows as wide as the widest layer's (356 bytes here).
+SECTION = {"method": "quantmla", "content": "int4", "rope": "int4", "sink": 4, "recent": 128,
+           "layers": [["int4", "int4"], ["int4c0.9", "int4"], ["int4", "int4:32"], ["int4:32", "int4c0.95"]]}
+SECTION_ROW = 256 + 4 * 512 // 32 + 36
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     if not HAS_VLLM:
@@ -223,7 +255,7 @@ def runs(tmp_path_factory):
     sectioned = tmp / "with_section"
     shutil.copytree(MODEL_DIR, sectioned)
     config = json.loads((sectioned / "config.json").read_text())
-    config["quantmla"] = {"method": "quantmla", "content": "int4", "rope": "int4", "sink": 4, "recent": 128}
+    config["quantmla"] = SECTION
     (sectioned / "config.json").write_text(json.dumps(config, indent=1))
     configs = {"vllm": (MODEL_DIR, {"VLLM_PLUGINS": ""}), "bf16": (MODEL_DIR, {settings.ENV: "bf16"}),
                "int4": (sectioned, {})}
@@ -238,7 +270,9 @@ def runs(tmp_path_factory):
 
 @needs_vllm
 def test_plugin_is_used(runs):
-    assert "quantmla cache int4/int4 sink=4 recent=128 (the checkpoint's quantmla section): 324 bytes" in runs["int4"]["log"]
+    log = runs["int4"]["log"]
+    assert f"quantmla cache int4/int4 sink=4 recent=128 (the checkpoint's quantmla section): {SECTION_ROW} bytes" in log
+    assert "quantmla per-layer formats (content/rope): int4/int4, int4c0.9/int4, int4/int4:32, int4:32/int4c0.95" in log
     assert "quantmla cache bf16/bf16" in runs["bf16"]["log"]
     assert "quantmla cache" not in runs["vllm"]["log"]
 
@@ -272,7 +306,7 @@ def test_kv_capacity_grows_by_the_byte_ratio(runs):
     bf16, int4, own = runs["bf16"]["kv_tokens"], runs["int4"]["kv_tokens"], runs["vllm"]["kv_tokens"]
     assert bf16 == own
     assert int4 / bf16 >= 3
-    assert abs(int4 / bf16 - 1152 / 324) < 0.01 * 1152 / 324  # the row ratio, up to vLLM's rounding
+    assert abs(int4 / bf16 - 1152 / SECTION_ROW) < 0.01 * 1152 / SECTION_ROW  # the row ratio, up to rounding
 
 
 @needs_vllm
@@ -321,7 +355,7 @@ def test_int4_within_quantmlas_own_bound(runs):
         x = torch.tensor([ids + toks])
         with torch.no_grad():
             a = model(x, past_key_values=DynamicCache()).logits[0, len(ids) - 1: -1].float()
-            b = model(x, past_key_values=QuantMLACache(CacheConfig("int4", "int4"))).logits[0, len(ids) - 1: -1]
+            b = model(x, past_key_values=QuantMLACache(CacheConfig.from_dict(SECTION))).logits[0, len(ids) - 1: -1]
         kl = torch.nn.functional.kl_div(torch.log_softmax(b.float(), -1), torch.log_softmax(a, -1),
                                         log_target=True, reduction="none").sum(-1)
         kl_own += float(kl.sum())

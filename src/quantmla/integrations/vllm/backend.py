@@ -112,6 +112,23 @@ def _step_plan() -> tuple[StepPlan, int] | None:
     return None
 
 
+def _cache_index(impl, cfg: CacheConfig, vllm_config) -> int:
+    """The cache index whose per-layer formats this attention serves: its decoder layer, read from the prefix
+    of its kv_b_proj ("model.layers.3.self_attn.kv_b_proj"); 0 without per-layer formats."""
+    if not cfg.layers:
+        return 0
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    layers = getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", None)
+    prefix = getattr(getattr(impl, "kv_b_proj", None), "prefix", "")
+    if layers != len(cfg.layers) or not prefix:
+        raise ValueError(f"quantmla: the checkpoint's section has formats for {len(cfg.layers)} layers; this "
+                         f"model has {layers} decoder layers{'' if prefix else ' and its attention no layer prefix'}"
+                         ": quantmla's vLLM backend maps one MLA attention per decoder layer (serve it with "
+                         "`quantmla serve`, or set QUANTMLA_VLLM_CACHE to one format pair)")
+    return extract_layer_index(prefix)
+
+
 class QuantMLAImplMixin:
     """forward_mqa / forward_mha / do_kv_cache_update over quantmla's cache; mixed into vLLM's MLA impl of
     the platform (which supplies __init__, the prefill attention and the weight absorption)."""
@@ -122,8 +139,10 @@ class QuantMLAImplMixin:
             raise ValueError(f"quantmla: layer dims {self.kv_lora_rank}/{self.qk_rope_head_dim} differ from the "
                              f"model's {dc}/{dr}")
         layout.row_bytes(cfg, dc, dr)  # refuses what one row per token cannot hold (token-axis formats)
-        PagedMLACache.allocate(cfg, dc, dr, num_blocks=1, max_seqs=1, block_size=1)  # refuses what it can't store
         vllm_config = get_current_vllm_config_or_none()
+        self.quantmla_layer = _cache_index(self, cfg, vllm_config)
+        # refuses what the paged cache cannot store
+        PagedMLACache.allocate(cfg.at(self.quantmla_layer), dc, dr, num_blocks=1, max_seqs=1, block_size=1)
         self.quantmla_config = cfg
         self.quantmla_max_seqs = vllm_config.scheduler_config.max_num_seqs
         self._quantmla_cache: PagedMLACache | None = None
@@ -131,13 +150,16 @@ class QuantMLAImplMixin:
         logger.info_once("quantmla cache %s/%s sink=%d recent=%d (%s): %d bytes per token, BF16 %d",
                          cfg.content, cfg.rope, cfg.sink, cfg.recent, source, layout.row_bytes(cfg, dc, dr),
                          2 * (dc + dr))
+        if cfg.layers:
+            logger.info_once("quantmla per-layer formats (content/rope): %s",
+                             ", ".join(f"{c}/{r}" for c, r in cfg.layers))
 
     def quantmla_cache(self, kv_cache: torch.Tensor) -> PagedMLACache:
         """The `PagedMLACache` over this layer's vLLM tensor (rebuilt if vLLM rebinds the tensor)."""
         key = (kv_cache.data_ptr(), tuple(kv_cache.shape))
         if key != self._quantmla_key:
             self._quantmla_cache = layout.attach(kv_cache, self.quantmla_config, self.kv_lora_rank,
-                                                 self.qk_rope_head_dim, self.quantmla_max_seqs)
+                                                 self.qk_rope_head_dim, self.quantmla_max_seqs, self.quantmla_layer)
             self._quantmla_key = key
         return self._quantmla_cache
 

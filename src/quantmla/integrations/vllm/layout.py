@@ -11,7 +11,9 @@ tokens. A row packs the token's quantized body, the byte layouts of `quantmla.qu
 e.g. INT4/INT4 with groups of 64 on the default model (kv_lora_rank 512, rope 64):
     content scale fp16 [8] | content zero fp16 [8] | rope scale fp16 [1] | rope zero fp16 [1] |
     content codes uint8 [256] | rope codes uint8 [32]                        = 324 bytes (BF16: 1152)
-The row length is rounded up to a multiple of 4 bytes. Each field is a strided view of the tensor
+The row length is rounded up to a multiple of 4 bytes. With per-layer formats (a calibrated checkpoint's
+`layers`) each layer packs its own fields in the same order, and every row is as long as the widest layer's
+(vLLM gives all layers one row size); a narrower layer leaves the rest of its row unused. Each field is a strided view of the tensor
 ([num_blocks, block_size, width], row stride = the row length), handed to `PagedMLACache` as its pools, so
 the cache's own writers and readers (`append`, `append_decode`, `gather`) run unchanged on vLLM's memory.
 
@@ -58,18 +60,22 @@ def _plan(cfg: CacheConfig, kv_lora_rank: int, rope_dim: int):
 
 
 def row_bytes(cfg: CacheConfig, kv_lora_rank: int, rope_dim: int) -> int:
-    """Bytes of one token's row in vLLM's tensor: what the backend reports as the KV cache spec's per-token
-    size, and so what vLLM's capacity figure divides by."""
+    """Bytes of one token's row in vLLM's tensor (the widest layer's, with per-layer formats): what the
+    backend reports as the KV cache spec's per-token size, and so what vLLM's capacity figure divides by."""
     cfg.check_dims(kv_lora_rank, rope_dim)
-    return _plan(cfg, kv_lora_rank, rope_dim)[1]
+    layers = [cfg.at(i) for i in range(len(cfg.layers))] or [cfg]
+    return max(_plan(layer, kv_lora_rank, rope_dim)[1] for layer in layers)
 
 
-def attach(kv_cache: torch.Tensor, cfg: CacheConfig, kv_lora_rank: int, rope_dim: int, max_seqs: int
-           ) -> PagedMLACache:
-    """A `PagedMLACache` whose pools are views of vLLM's layer tensor `kv_cache` [num_blocks, block_size, C]
-    (any dtype; C * itemsize must be the row bytes) plus freshly allocated BF16 protected rows for `max_seqs`
-    slots. Raises ValueError if the tensor does not have the expected row size or is not row-contiguous."""
-    plan, row = _plan(cfg, kv_lora_rank, rope_dim)
+def attach(kv_cache: torch.Tensor, cfg: CacheConfig, kv_lora_rank: int, rope_dim: int, max_seqs: int,
+           layer: int = 0) -> PagedMLACache:
+    """A `PagedMLACache` for cache index `layer` (its formats `cfg.at(layer)`) whose pools are views of
+    vLLM's layer tensor `kv_cache` [num_blocks, block_size, C] (any dtype; C * itemsize must be
+    `row_bytes(cfg)`) plus freshly allocated BF16 protected rows for `max_seqs` slots. Raises ValueError if
+    the tensor does not have the expected row size or is not row-contiguous."""
+    row = row_bytes(cfg, kv_lora_rank, rope_dim)
+    cfg = cfg.at(layer)
+    plan, _ = _plan(cfg, kv_lora_rank, rope_dim)
     if kv_cache.dim() != 3 or kv_cache.shape[-1] * kv_cache.element_size() != row:
         raise ValueError(f"vLLM's KV cache tensor {tuple(kv_cache.shape)} {kv_cache.dtype} does not have quantmla's "
                          f"{row}-byte rows for {cfg.content}/{cfg.rope}")
