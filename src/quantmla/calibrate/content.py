@@ -146,12 +146,13 @@ def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, c
     formats = (space or SearchSpace(clips=(), ranked=False)).formats(cfg.content, dc, int(q_pos.min()), cfg,
                                                                      ranked=True)
     objective = lambda p, fmt: true(p, select, fmt)  # noqa: E731
-    name, res.format, res.points = choose(points, [f for f in formats if not f.rank], objective)
-    if ranked := [f for f in formats if f.rank]:  # they drop channels: only the principal axes are meant for them
-        r_name, r_format, r_points = choose({"axes": points["axes"]}, ranked, objective)
-        if r_points[f"{r_name}@{r_format}"] < res.points[f"{name}@{res.format}"]:
-            name, res.format = r_name, r_format
-        res.points.update(r_points)
+    # Ranked formats drop channels: only the principal axes are meant for them. (A budget may ask for a
+    # ranked format itself, and then every format is ranked.)
+    plain, ranked = [f for f in formats if not f.rank], [f for f in formats if f.rank]
+    chosen = ([choose(points, plain, objective)] if plain else []) + (
+        [choose({"axes": points["axes"]}, ranked, objective)] if ranked else [])
+    res.points = {k: v for *_, scores in chosen for k, v in scores.items()}
+    name, res.format = min(((n, f) for n, f, _ in chosen), key=lambda nf: res.points[f"{nf[0]}@{nf[1]}"])
     res.params, res.best = points[name], res.points[f"{name}@{res.format}"]
     res.report = {"identity": true(starts["identity"], report), "smoothquant": true(starts["smoothquant"], report),
                   "calibrated": true(res.params, report, res.format)}
