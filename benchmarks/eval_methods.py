@@ -46,11 +46,11 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # The accuracy table of issues 4 and 10: every method at INT4/INT4, then INT2/INT4, then content-only INT4;
 # with --equal-bytes (on for this preset) a quantmla row at KIVI's measured bytes follows each kivi row.
-# quantmla's search has KIVI's token-axis points (served by the engine) besides channel groups.
+# quantmla's search has ranked content formats besides channel groups; quantmla-c is the search without them.
 ACCURACY = (
     "bf16,fp8,fp8-content,rtn@int4/int4,fp4,turboquant,kivi@int4/int4,quarot@int4/int4,smoothquant@int4/int4,"
-    "quantmla@int4/int4,"
-    "rtn@int2/int4,kivi@int2/int4,quarot@int2/int4,smoothquant@int2/int4,quantmla@int2/int4,"
+    "quantmla-c@int4/int4,quantmla@int4/int4,"
+    "rtn@int2/int4,kivi@int2/int4,quarot@int2/int4,smoothquant@int2/int4,quantmla-c@int2/int4,quantmla@int2/int4,"
     "rtn-content@int4/bf16,kivi@int4/bf16,quarot@int4/bf16,smoothquant@int4/bf16,quantmla@int4/bf16"
 )
 
