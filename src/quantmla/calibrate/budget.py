@@ -7,10 +7,11 @@ The budget is a fraction of the BF16 cache at `context` tokens (the sink + recen
 Every candidate format (`candidates`: bf16 and channel-grouped int8/int4/int2 at several group sizes, all
 servable; for the content path also `ranked_candidates`, scored in the principal axes they are meant for) of
 every path and layer is scored by one common measure, the layer's attention-output NMSE with only that path
-quantized (RTN, the serving policy), on the fit + selection sequences (the report sequences stay untouched); a knapsack over the per-token bytes then picks, per path and layer, the formats of least
-summed error that fit the budget. The transforms are fitted afterwards for the chosen formats, so the
-allocation sees RTN errors; calibration lowers them further (by different factors per format, which the
-allocation does not know).
+quantized (RTN, the serving policy), on the fit + selection sequences (the report sequences stay untouched);
+a knapsack over the per-token bytes then picks, per path and layer, the formats of least summed error that
+fit the budget. The transforms are fitted afterwards for the chosen formats, so the allocation sees RTN
+errors; calibration lowers them further (by different factors per format, which the allocation does not
+know).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from quantmla.calibrate.content import attention_heads, content_error, principal_axes
+from quantmla.calibrate.content import attention_heads, axes_start, content_error
 from quantmla.calibrate.search import Splits
 from quantmla.capture import capture
 from quantmla.config import CacheConfig, QuantFormat
@@ -109,9 +110,6 @@ def format_errors(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: C
         ref = attention_heads(q_abs, q_pe, c, k_pe, w_uv, layer.softmax_scale, pos)
         gamma = torch.ones(c.shape[-1], device=c.device)
         eye = torch.eye(c.shape[-1], device=c.device)
-        axes = principal_axes(c, min(64, c.shape[-1] // 8), torch.Generator().manual_seed(0)).to(c.device)
-        rms = (c @ axes.T).pow(2).mean((0, 1)).sqrt()
-        axes_sigma = 1 / rms.clamp_min(rms.max() * 1e-4 + 1e-12)
         batch = (q_abs, q_pe, c, k_pe, w_uv, layer.softmax_scale, pos, ref)
 
         def content(f, rotation=eye, sigma=gamma):
@@ -120,6 +118,7 @@ def format_errors(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: C
         out[(layer.cache_idx, "content")] = {
             f: 0.0 if f.kind == "bf16" else content(f) for f in candidates(layer.kv_lora_rank, CONTENT_GROUPS)}
         if ranked:
+            axes, axes_sigma = axes_start(c, min(64, c.shape[-1] // 8), torch.Generator().manual_seed(0))
             out[(layer.cache_idx, "content")].update(
                 {f: content(f, axes, axes_sigma) for f in ranked_candidates(layer.kv_lora_rank)})
         out[(layer.cache_idx, "rope")] = {

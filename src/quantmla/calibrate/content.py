@@ -58,6 +58,16 @@ def principal_axes(x: torch.Tensor, group: int, generator: torch.Generator | Non
     return mix @ axes
 
 
+def axes_start(c_hat: torch.Tensor, group: int, generator: torch.Generator | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rotation [d, d], sigma [d]) of the principal-axes starting point for c_hat [..., d]: `principal_axes`,
+    and one over each rotated channel's rms, where channels far below the strongest are scaled as if 1e-4 of
+    it (a ranked format drops them anyway)."""
+    axes = principal_axes(c_hat, group, generator).to(c_hat.device)
+    rms = (c_hat @ axes.T).pow(2).reshape(-1, c_hat.shape[-1]).mean(0).sqrt()
+    return axes, 1 / rms.clamp_min(rms.max() * 1e-4 + 1e-12)
+
+
 def attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, delta=None, quantized=None):
     """Per-head attention output in value space [B, H, Tq, dv] for queries at positions q_pos [Tq]; with
     delta (the content cache's error) and quantized [Tq, S], as `policy.policy_attention` serves it."""
@@ -103,8 +113,7 @@ def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, c
     dc = c.shape[-1]
     hadamard = random_hadamard(dc, g).to(c.device)
     c_rot_rms = ((c[splits.fit] / gamma) @ hadamard.T).pow(2).mean(dim=(0, 1)).sqrt()
-    axes = principal_axes(c[splits.fit] / gamma, cfg.content.group, g).to(c.device)
-    axes_rms = ((c[splits.fit] / gamma) @ axes.T).pow(2).mean(dim=(0, 1)).sqrt()
+    axes, axes_sigma = axes_start(c[splits.fit] / gamma, cfg.content.group, g)
     # SmoothQuant (eval.baselines.smoothquant) on the fit sequences: c' = c * m, the signs of gamma as a
     # diagonal rotation (sigma must be > 0).
     m = smooth_scales(c[splits.fit].abs().amax((0, 1)), q_abs[splits.fit].abs().amax((0, 1, 2))).float()
@@ -114,8 +123,7 @@ def calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, softmax_scale, q_pos, c
         "smoothquant": {"rotation": torch.diag(torch.where(gamma < 0, -1.0, 1.0)),
                         "log_sigma": torch.log((gamma.abs() * m).clamp_min(1e-12))},
         "hadamard": {"rotation": hadamard, "log_sigma": -torch.log(c_rot_rms.clamp_min(1e-6))},
-        # Channels far below the strongest are scaled as if 1e-4 of it: a ranked format drops them anyway.
-        "axes": {"rotation": axes, "log_sigma": -torch.log(axes_rms.clamp_min(axes_rms.max() * 1e-4 + 1e-12))},
+        "axes": {"rotation": axes, "log_sigma": torch.log(axes_sigma)},
     }
     if (gamma < 0).any():  # identity's sigma must be gamma itself: with negative entries use R = diag(sign)
         starts["identity"]["rotation"] = starts["smoothquant"]["rotation"].clone()

@@ -566,16 +566,20 @@ def _path_args(path: PagedPath) -> tuple[list[torch.Tensor], tuple[int, int, int
     fmt, codes = path.fmt, path.codes
     scale = path.scale if path.scale is not None else codes
     zero = path.zero if path.zero is not None else codes
-    group = path.dim if fmt.axis == "token" else fmt.group or path.dim  # token-axis: codes laid out as one group
+    group = _group(path)
     if path.dim & (path.dim - 1) or group & (group - 1):
         raise ValueError(f"the kernel needs power-of-two dims and groups, got dim {path.dim}, group {group}")
     return [codes, scale, zero], (KIND_CODE[fmt.kind], fmt.bits, group, path.scale is not None)
 
 
+def _group(path: PagedPath) -> int:
+    """Channels per group as the kernel lays out the codes (token-axis: the whole path as one group)."""
+    return path.dim if path.fmt.axis == "token" else path.fmt.group or path.dim
+
+
 def _stored_groups(path: PagedPath) -> int:
     """Scale groups of a token the pool stores (for a ranked format, those of its first `rank` channels)."""
-    group = path.dim if path.fmt.axis == "token" else path.fmt.group or path.dim
-    return path.fmt.stored(path.dim) // group
+    return path.fmt.stored(path.dim) // _group(path)
 
 
 def _row_strides(path: PagedPath) -> tuple[int, int]:
