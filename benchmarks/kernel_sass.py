@@ -161,7 +161,10 @@ def _triton(args):
                   C_ROW=256 if K else 512, C_SZ_ROW=8 if K else 0, R_KIND=K, R_BITS=4 if K else 16,
                   R_GROUP=64, R_SCALED=bool(K), R_ROW=32 if K else 64, R_SZ_ROW=1 if K else 0, C_BLK=1, R_BLK=1,
                   PAGE=args.page, SINK=args.sink, RECENT=args.recent, C_RING=args.recent, R_RING=args.recent,
-                  BLOCK_H=16, BLOCK_N=64, S_T=False, V_T=False, USE_ASM=True, F32_DOT=False)
+                  BLOCK_H=16, BLOCK_N=64, S_T=False, V_T=False, USE_ASM=True, F32_DOT=False,
+                  C_NGS=8 if K else 1, R_NGS=1, DCB=512)
+    if args.format == "int8r128/int4":  # the body tiles 128 channels wide (DCB; --const DCB=512: all of them)
+        consts.update(C_BITS=8, C_ROW=128, C_SZ_ROW=2, C_NGS=2, DCB=128)
     consts.update(args.const)
     return _compile(md._mla_decode_kernel, ptrs, consts, gluon_kernel=False, floats=("qk_scale",))
 
@@ -177,7 +180,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--kernel", choices=("triton", "gluon"), default="gluon")
-    ap.add_argument("--format", choices=("bf16", "int4/int4"), default="int4/int4",
+    ap.add_argument("--format", choices=("bf16", "int4/int4", "int8r128/int4"), default="int4/int4",
                     help="cache format (--kernel triton only; the Gluon kernel is INT4/INT4)")
     ap.add_argument("--stages", type=int, default=3, help="Gluon codes-ring depth (STAGES)")
     ap.add_argument("--prot-gather", action="store_true", help="Gluon PROT_VEC=False (the old protected loads)")

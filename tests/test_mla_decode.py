@@ -388,6 +388,20 @@ def test_kernel_token_axis_matches_reference(fmts, block_n, splits, sink):
     check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.07))
 
 
+@pytest.mark.parametrize("scores_t,values_t", [(False, False), (False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("fmts,sink,recent", [(("int8r64", "int4:32"), 4, 24), (("int4:16r32", "int4:t16"), 0, 24),
+                                              (("int2r128", "int4:32"), 0, 0)])
+def test_kernel_ranked_body_matches_reference(fmts, sink, recent, scores_t, values_t):
+    """A ranked content path whose rank is a power of two: body tiles only `rank` channels wide, beside
+    protected rows of all channels (or none), and a token-axis RoPE path that quantizes later (MIXED)."""
+    dc, dr = 256, 32
+    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, [0, 7, 40, 97], sink=sink, recent=recent)
+    qn, qp = queries(4, 16, dc, dr)
+    cfg = KernelConfig(block_h=16, block_n=16, num_stages=1, scores_t=scores_t, values_t=values_t)
+    out, lse = mla_decode(qn, qp, cache, table, seq_lens, slots, 0.07, num_splits=2, config=cfg)
+    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.07))
+
+
 @pytest.mark.parametrize("scores_t,values_t", [(False, True), (True, False), (True, True)])
 def test_kernel_orientations(scores_t, values_t):
     dc, dr = 256, 32

@@ -31,6 +31,10 @@ Kernel design (flash-decoding):
   - token-axis scales: a body tile's rows [BLOCK_N] each read their block's scale row (the block's first
     position's pool row // g, in the page where the block starts: `PagedMLACache.scale_rows`), [BLOCK_N]
     x [dim] broadcast over the codes; a tile of BLOCK_N > g tokens spans several blocks;
+  - a ranked content format (channels [0, rank) stored, the rest read as 0) with a power-of-two rank has
+    body tiles only rank channels wide: the scores and values of the body multiply over the stored channels
+    alone, into an accumulator of rank channels that is widened into the full one after the protected rows
+    (`_widen`); other ranks compute all channels with the unstored groups masked to 0;
   - dequantization happens on the tile in registers. On the GPU, integer codes go through inline PTX
     (`_int_dequant_ptx`): bit tricks put each code into a bf16 mantissa and bf16x2 fmas apply scale and
     zero, 2 instructions per value and no int->float conversions (token-axis: one call per code of a byte,
@@ -361,6 +365,48 @@ if triton is not None:
         return tl.dot(a, b, acc)
 
     @triton.jit
+    def _load_queries(q_ptr, bh, hmask, D: tl.constexpr, W: tl.constexpr, S_T: tl.constexpr):
+        """Channels [0, W) of the queries q [B, H, D] of heads bh, as bf16 [BH, W] ([W, BH] with S_T)."""
+        d = tl.arange(0, W)
+        if S_T:
+            return tl.load(q_ptr + bh[None, :] * D + d[:, None], mask=hmask[None, :], other=0.0).to(tl.bfloat16)
+        return tl.load(q_ptr + bh[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+
+    @triton.jit
+    def _zeros_acc(BH: tl.constexpr, W: tl.constexpr, V_T: tl.constexpr):
+        if V_T:
+            return tl.zeros([W, BH], tl.float32)
+        return tl.zeros([BH, W], tl.float32)
+
+    @triton.jit
+    def _rescale(acc, alpha, V_T: tl.constexpr):
+        if V_T:
+            return acc * alpha[None, :]
+        return acc * alpha[:, None]
+
+    @triton.jit
+    def _double(acc, V_T: tl.constexpr):
+        """acc [BH, W] ([W, BH] with V_T) -> [BH, 2W] with channels [W, 2W) zero. join gives [.., W, 2]; the
+        permute puts the pair axis before the channels, so the reshape lays out all of acc, then the zeros."""
+        z = tl.zeros(acc.shape, tl.float32)
+        if V_T:
+            return tl.reshape(tl.permute(tl.join(acc, z), (2, 0, 1)), [2 * acc.shape[0], acc.shape[1]])
+        return tl.reshape(tl.permute(tl.join(acc, z), (0, 2, 1)), [acc.shape[0], 2 * acc.shape[1]])
+
+    @triton.jit
+    def _widen(acc, W: tl.constexpr, D: tl.constexpr, V_T: tl.constexpr):
+        """Pad the channels [0, W) of acc with zeros up to D (W, D powers of two, D <= 16 W)."""
+        if W < D:
+            acc = _double(acc, V_T)
+        if 2 * W < D:
+            acc = _double(acc, V_T)
+        if 4 * W < D:
+            acc = _double(acc, V_T)
+        if 8 * W < D:
+            acc = _double(acc, V_T)
+        return acc
+
+    @triton.jit
     def _softmax_step(
         qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T: tl.constexpr, V_T: tl.constexpr, F32: tl.constexpr
     ):
@@ -427,6 +473,7 @@ if triton is not None:
         R_SZ_ROW: tl.constexpr,
         C_NGS: tl.constexpr,  # scale groups each path stores (fewer than dim / group for a ranked format)
         R_NGS: tl.constexpr,
+        DCB: tl.constexpr,  # content channels the body tiles compute: DC, or a ranked format's stored rank
         C_BLK: tl.constexpr,  # tokens per quantized block: 1, or a token-axis format's group
         R_BLK: tl.constexpr,
         PAGE: tl.constexpr,
@@ -468,18 +515,13 @@ if triton is not None:
         heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
         hmask = heads < H
         dc = tl.arange(0, DC)
-        dr = tl.arange(0, DR)
         bh = b * H + heads
-        if S_T:  # [DC, BH]: heads along columns
-            qn = tl.load(qn_ptr + bh[None, :] * DC + dc[:, None], mask=hmask[None, :], other=0.0).to(tl.bfloat16)
-            qp = tl.load(qp_ptr + bh[None, :] * DR + dr[:, None], mask=hmask[None, :], other=0.0).to(tl.bfloat16)
-        else:
-            qn = tl.load(qn_ptr + bh[:, None] * DC + dc[None, :], mask=hmask[:, None], other=0.0).to(tl.bfloat16)
-            qp = tl.load(qp_ptr + bh[:, None] * DR + dr[None, :], mask=hmask[:, None], other=0.0).to(tl.bfloat16)
-        if V_T:
-            acc = tl.zeros([DC, BLOCK_H], tl.float32)
-        else:
-            acc = tl.zeros([BLOCK_H, DC], tl.float32)
+        # A ranked content path (DCB < DC) stores only channels [0, DCB): the body tiles multiply over those
+        # alone, into their own accumulator acc_b, and the protected rows (all DC channels) into acc.
+        RANKED: tl.constexpr = DCB < DC
+        qn = _load_queries(qn_ptr, bh, hmask, DC, DCB, S_T)
+        qp = _load_queries(qp_ptr, bh, hmask, DR, DR, S_T)
+        acc_b = _zeros_acc(BLOCK_H, DCB, V_T)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -493,9 +535,15 @@ if triton is not None:
             rows = tl.load(bt_row + pos0 // PAGE).to(tl.int64) * PAGE + pos0 % PAGE + tl.arange(0, BLOCK_N)
             cs = _scale_rows(bt_row, pos, rows, valid, SINK, PAGE, C_BLK)
             rs = _scale_rows(bt_row, pos, rows, valid, SINK, PAGE, R_BLK)
-            c = _load_tile(cc_ptr, cs_ptr, cz_ptr, rows, cs, valid, DC, C_KIND, C_BITS, C_GROUP, C_BLK > 1, C_SCALED, BLOCK_N, USE_ASM, C_ROW, C_SZ_ROW, C_NGS)
+            c = _load_tile(cc_ptr, cs_ptr, cz_ptr, rows, cs, valid, DCB, C_KIND, C_BITS, C_GROUP, C_BLK > 1, C_SCALED, BLOCK_N, USE_ASM, C_ROW, C_SZ_ROW, C_NGS)
             r = _load_tile(rc_ptr, rs_ptr, rz_ptr, rows, rs, valid, DR, R_KIND, R_BITS, R_GROUP, R_BLK > 1, R_SCALED, BLOCK_N, USE_ASM, R_ROW, R_SZ_ROW, R_NGS)
-            m_i, l_i, acc = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T, V_T, F32_DOT)
+            m_i, l_i, acc_b = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc_b, qk_scale, S_T, V_T, F32_DOT)
+
+        if RANKED:  # the protected rows need every channel of the queries and of the output
+            qn = _load_queries(qn_ptr, bh, hmask, DC, DC, S_T)
+            acc = _zeros_acc(BLOCK_H, DC, V_T)
+        else:
+            acc = acc_b
 
         # Protected BF16 rows, in position order: the sink positions, then [q_hi, L) from each path's ring
         # (row SINK + (p - SINK) % ring). A path reads a position from its ring where it is unquantized in
@@ -523,7 +571,12 @@ if triton is not None:
                     r_q = _load_tile(rc_ptr, rs_ptr, rz_ptr, prow, rs, pooled_r, DR, R_KIND, R_BITS, R_GROUP, R_BLK > 1, R_SCALED, BLOCK_N, USE_ASM, R_ROW, R_SZ_ROW, R_NGS)
                     c = tl.where(bf_c[:, None], c, c_q)
                     r = tl.where(bf_r[:, None], r, r_q)
+                m_prev = m_i
                 m_i, l_i, acc = _softmax_step(qn, qp, c, r, valid, m_i, l_i, acc, qk_scale, S_T, V_T, F32_DOT)
+                if RANKED:  # keep acc_b on the running max too
+                    acc_b = _rescale(acc_b, tl.exp2(m_prev - m_i), V_T)
+        if RANKED:
+            acc = acc + _widen(acc_b, DCB, DC, V_T)
 
         # An empty split (or sequence) stores out = 0, lse = -inf; the combine gives it weight 0.
         ok = l_i > 0
@@ -580,6 +633,13 @@ def _group(path: PagedPath) -> int:
 def _stored_groups(path: PagedPath) -> int:
     """Scale groups of a token the pool stores (for a ranked format, those of its first `rank` channels)."""
     return path.fmt.stored(path.dim) // _group(path)
+
+
+def _body_channels(path: PagedPath) -> int:
+    """Content channels the body tiles compute: a ranked format's stored rank where it is a power of two of
+    at least 16 (a tensor-core tile) and 1/16 of the channels, else all of them (the unstored read as 0)."""
+    width = path.fmt.stored(path.dim)
+    return width if width < path.dim and width & (width - 1) == 0 and 16 * width >= path.dim >= width >= 16 else path.dim
 
 
 def _row_strides(path: PagedPath) -> tuple[int, int]:
@@ -690,7 +750,7 @@ def mla_decode(
                 block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
                 H, num_splits, sm_scale * LOG2E,
                 dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
-                _stored_groups(cache.content), _stored_groups(cache.rope), cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
+                _stored_groups(cache.content), _stored_groups(cache.rope), _body_channels(cache.content), cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
                 cfg.block_h, block_n, cfg.scores_t, cfg.values_t, use_asm, _interpreting())  # fmt: skip
     except OutOfResources as e:
         token = [f"{name} {p.fmt}" for name, p in (("content", cache.content), ("rope", cache.rope)) if p.block > 1]
