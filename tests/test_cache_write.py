@@ -119,16 +119,17 @@ def run_pair(fmts, lens=LENS, *, sink=4, recent=8, page=16, steps=5, dc=128, dr=
     "fmts",
     [("bf16", "bf16"), ("int4", "int4"), ("int2", "int4"), ("int8", "int8"), ("int4:32", "int4:32"),
      ("fp8", "fp8:0"), ("fp8:32", "fp8:32"), ("int4", "bf16"), ("bf16", "int2:32"),
-     ("int4c0.85", "int2:32c0.7"), ("int8c0.9", "int4:16c0.95")],
+     ("int4c0.85", "int2:32c0.7"), ("int8c0.9", "int4:16c0.95"), ("int8r64", "int4"), ("int2:16r32c0.9", "int4")],
 )  # fmt: skip
 def test_fused_writer_is_byte_identical(fmts):
     run_pair(fmts)
 
 
+@pytest.mark.parametrize("fmts", [("int4", "int2:32"), ("int8r64", "int4")])
 @pytest.mark.parametrize("sink,recent", [(0, 8), (4, 0), (0, 0), (3, 5), (2, 1)])
-def test_fused_writer_windows(sink, recent):
+def test_fused_writer_windows(sink, recent, fmts):
     """recent = 0 (tokens quantized at once; only sinks protected), sink = 0, no window at all, odd sizes."""
-    run_pair(("int4", "int2:32"), sink=sink, recent=recent, steps=4)
+    run_pair(fmts, sink=sink, recent=recent, steps=4)
 
 
 def test_fused_writer_dtypes_and_garbage():
@@ -198,10 +199,10 @@ def test_fused_writer_in_a_cuda_graph():
         lens_dev += 1
 
 
-@pytest.mark.parametrize("fmts", [("int4", "int4:t8"), ("int2:t16", "int4")])
-def test_token_axis_caches_take_the_torch_writer(monkeypatch, fmts):
-    """The kernel writes channel-grouped tokens one at a time, not token-axis blocks: append_decode_fused
-    hands a cache with a token-axis path to the torch writer (byte for byte the same, as always), without a
-    launch."""
+@pytest.mark.parametrize("fmts", [("int4", "int4:t8"), ("int2:t16", "int4"), ("int4:32r96", "int4")])
+def test_token_axis_or_odd_rank_caches_take_the_torch_writer(monkeypatch, fmts):
+    """The kernel writes channel-grouped tokens one at a time, not token-axis blocks, and only power-of-two
+    ranks: append_decode_fused hands a cache with a token-axis path or a rank of 96 to the torch writer (byte
+    for byte the same, as always), without a launch."""
     monkeypatch.setattr(cache_write, "_append_decode_kernel", None)  # a launch would fail
     run_pair(fmts, steps=9)  # with sink 4, recent 8: blocks of 8 complete at lengths 20 and 28

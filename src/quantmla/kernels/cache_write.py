@@ -40,7 +40,8 @@ engine's do; padded rows of a CUDA-graph batch all write the scratch slot and bl
 the data on the host anyway), and so does a cache with a token-axis path: the kernel writes channel-grouped
 tokens one at a time, not a token-axis block (the torch writer's block step has fixed shapes and no host
 syncs, so it is captured in CUDA graphs as well). The kernel needs power-of-two dims and groups (as
-`mla_decode` does).
+`mla_decode` does). A ranked content format (channels [0, rank) stored) is written here when its rank is a
+power of two; other ranks, and ranked RoPE paths, take the torch writer.
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ if triton is not None:
         SINK: tl.constexpr,
         RECENT: tl.constexpr,
         RECIP: tl.constexpr,
+        CQ: tl.constexpr,  # content channels the pool stores: DC, or a ranked format's rank
     ):
         b = tl.program_id(0).to(tl.int64)
         L = tl.load(lens_ptr + b).to(tl.int64)
@@ -184,12 +186,18 @@ if triton is not None:
             xc = tl.where(evict, _cast(tl.load(pc_ptr + ring * DC + dc), c_ptr.dtype.element_ty), c)
             xr = tl.where(evict, _cast(tl.load(pr_ptr + ring * DR + dr), r_ptr.dtype.element_ty), r)
             qpos = tl.maximum(ev, 0)
+            if CQ < DC:  # a ranked content path quantizes channels [0, CQ) only
+                cq = tl.arange(0, CQ)
+                xc = tl.where(evict, _cast(tl.load(pc_ptr + ring * DC + cq), c_ptr.dtype.element_ty),
+                              tl.load(c_ptr + b * c_stride + cq))
         else:  # no ring: the new token is quantized at once (into an unread row while it is a sink token)
             xc = c
             xr = r
             qpos = L
+            if CQ < DC:
+                xc = tl.load(c_ptr + b * c_stride + tl.arange(0, CQ))
         row = tl.load(bt_ptr + b * bt_stride + qpos // PAGE).to(tl.int64) * PAGE + qpos % PAGE
-        _quantize_store(xc, cc_ptr, cs_ptr, cz_ptr, row, DC, C_KIND, C_BITS, C_GROUP, C_SCALED, RECIP, C_CLIP,
+        _quantize_store(xc, cc_ptr, cs_ptr, cz_ptr, row, CQ, C_KIND, C_BITS, C_GROUP, C_SCALED, RECIP, C_CLIP,
                         C_MARGIN)
         _quantize_store(xr, rc_ptr, rs_ptr, rz_ptr, row, DR, R_KIND, R_BITS, R_GROUP, R_SCALED, RECIP, R_CLIP,
                         R_MARGIN)
@@ -223,9 +231,11 @@ def append_decode_fused(
 ) -> None:
     """`cache.append_decode(slots, block_tables, seq_lens, c, k_pe, checked=False)` in one kernel launch
     (see the module docstring). checked=True, CPU tensors outside TRITON_INTERPRET=1, or a cache with a
-    token-axis path (whose blocks the kernel does not write) or a ranked one run the torch writer."""
+    token-axis path (whose blocks the kernel does not write) or a ranked path other than a content path of a
+    power-of-two rank run the torch writer."""
     token_axis = cache.content.block > 1 or cache.rope.block > 1
-    ranked = cache.content.fmt.rank or cache.rope.fmt.rank
+    cq = cache.content.fmt.stored(cache.kv_lora_rank)
+    ranked = cache.rope.fmt.rank or cq & (cq - 1)
     if checked or token_axis or ranked or triton is None or not (c.is_cuda or _interpreting()):
         cache.append_decode(slots, block_tables, seq_lens, c, k_pe, checked=checked)
         return
@@ -245,5 +255,5 @@ def append_decode_fused(
         block_tables, block_tables.stride(0), seq_lens, slots,
         cache.kv_lora_rank, cache.rope_dim, *c_const, *r_const, *_clip_args(cache.content.fmt),
         *_clip_args(cache.rope.fmt), cache.block_size, cache.sink, cache.recent,
-        c.is_cuda, num_warps=4, enable_fp_fusion=False,  # no fma contraction: torch rounds every step
+        c.is_cuda, cq, num_warps=4, enable_fp_fusion=False,  # no fma contraction: torch rounds every step
     )  # fmt: skip
