@@ -97,3 +97,15 @@ def test_checkpoint_dir_round_trip_and_errors(tmp_path):
     (tmp_path / "v3" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no weights"):
         load_model(path)
+
+
+def test_unreadable_config_is_a_one_line_error(tmp_path, capsys):
+    from quantmla.cli import main
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path / "bad")
+    for command in ("info", "eval"):  # eval reads the quantmla section first, with json itself
+        assert main([command, str(tmp_path / "bad")]) == 2
+        assert "config.json" in capsys.readouterr().err

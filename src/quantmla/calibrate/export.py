@@ -63,7 +63,11 @@ def quantmla_section(model_dir: str | Path) -> dict | None:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
-    return json.loads(path.read_text()).get(SECTION)
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON ({e}); fix or replace the checkpoint's config.json") from None
+    return config.get(SECTION)
 
 
 def cache_config_of(model_dir: str | Path) -> CacheConfig | None:

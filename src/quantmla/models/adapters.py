@@ -198,7 +198,10 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     path = check_checkpoint_dir(path)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except OSError as e:  # transformers' word for an unreadable config.json (e.g. not JSON): a user's file
+        raise ValueError(f"cannot read {path / 'config.json'}: {e}") from None
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if getattr(text, "model_type", None) not in FAMILIES:
         raise UnsupportedModelError(
