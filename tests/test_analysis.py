@@ -137,6 +137,8 @@ def test_commands_reject_bad_input(tiny_dir, tmp_path, capsys):
     assert "text file not found" in capsys.readouterr().err
     assert main(["analyze", str(tiny_dir), "--length", "100"]) == 2
     assert "too short for sink 4 + recent 128" in capsys.readouterr().err
+    assert main(["analyze", str(tiny_dir), "--length", "600"]) == 2  # the tiny model has 512 positions
+    assert "exceeds the model's max_position_embeddings 512" in capsys.readouterr().err
     assert main(["analyze", str(tiny_dir), "--nmse", "2"]) == 2
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))

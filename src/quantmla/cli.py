@@ -66,6 +66,15 @@ def cmd_info(args) -> None:
                             "layers": rows, "bytes_per_token_bf16": bf16, "bytes_per_token": quant})
 
 
+def _check_length(model, length: int) -> None:
+    """Windows longer than the model's positions would calibrate or measure it where it never runs (eval and
+    serve refuse them too)."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if limit and length > limit:
+        raise ValueError(f"--length {length} exceeds the model's max_position_embeddings {limit}; "
+                         f"use --length {limit} or less")
+
+
 # ---------------------------------------------------------------- analyze
 def cmd_analyze(args) -> None:
     from quantmla.analysis.amplification import amplification, plot
@@ -77,6 +86,7 @@ def cmd_analyze(args) -> None:
         raise ValueError(f"--nmse must be in (0, 1), got {args.nmse}")
     console.print(f"model: {model_dir}")
     model = load_model(model_dir)
+    _check_length(model, args.length)
     layers = describe(model)
     ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size)
     batch = token_windows(ids, args.length, args.samples)
@@ -166,6 +176,7 @@ def cmd_calibrate(args) -> None:
         model = skeleton(model_dir)  # parameters on the meta device; calibrate_streaming loads them per layer
     else:
         model = load_model(model_dir)
+    _check_length(model, args.length)
     layers = describe(model)
     cfg = CacheConfig(content, rope, args.sink, args.recent).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
     ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size)
