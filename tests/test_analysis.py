@@ -126,6 +126,11 @@ def test_analyze_command(tiny_dir, tmp_path):
     assert data["mean_ratio"] == pytest.approx(sum(r["ratio"] for r in data["layers"]) / 2)
     assert set(data["end_to_end"]) == {"content", "rope"}
     assert png.stat().st_size > 1000
+    # a smaller window, as the too-short error suggests, lets short sequences run
+    assert main(["analyze", str(tiny_dir), "--length", "32", "--samples", "2", "--sink", "2", "--recent", "8",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert (data["sink"], data["recent"]) == (2, 8)
 
 
 def test_commands_reject_bad_input(tiny_dir, tmp_path, capsys):
