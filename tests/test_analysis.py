@@ -126,6 +126,11 @@ def test_analyze_command(tiny_dir, tmp_path):
     assert data["mean_ratio"] == pytest.approx(sum(r["ratio"] for r in data["layers"]) / 2)
     assert set(data["end_to_end"]) == {"content", "rope"}
     assert png.stat().st_size > 1000
+    # a smaller window, as the too-short error suggests, lets short sequences run
+    assert main(["analyze", str(tiny_dir), "--length", "32", "--samples", "2", "--sink", "2", "--recent", "8",
+                 "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert (data["sink"], data["recent"]) == (2, 8)
 
 
 def test_commands_reject_bad_input(tiny_dir, tmp_path, capsys):
@@ -137,6 +142,8 @@ def test_commands_reject_bad_input(tiny_dir, tmp_path, capsys):
     assert "text file not found" in capsys.readouterr().err
     assert main(["analyze", str(tiny_dir), "--length", "100"]) == 2
     assert "too short for sink 4 + recent 128" in capsys.readouterr().err
+    assert main(["analyze", str(tiny_dir), "--length", "600"]) == 2  # the tiny model has 512 positions
+    assert "exceeds the model's max_position_embeddings 512" in capsys.readouterr().err
     assert main(["analyze", str(tiny_dir), "--nmse", "2"]) == 2
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))

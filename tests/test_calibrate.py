@@ -224,6 +224,9 @@ def test_calibrate_command_rejects_bad_arguments(tmp_path, capsys):
     assert "too short for sink 4 + recent 128" in capsys.readouterr().err
     assert main(base + ["--samples", "4", "--recent", "8", "--content", "fp8"]) == 2
     assert "content fp8:32 has no calibration surrogate" in capsys.readouterr().err
+    for streaming in ([], ["--streaming"]):  # the tiny model has 512 positions
+        assert main(base + ["--samples", "4", "--length", "600", *streaming]) == 2
+        assert "--length 600 exceeds the model's max_position_embeddings 512" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
 
 

@@ -295,7 +295,7 @@ def test_budget_too_small_says_so():
 
 @pytest.mark.parametrize("kw, field", [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1}, "temperature"),
                                        ({"top_p": 0}, "top_p"), ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"),
-                                       ({"temperature": float("nan")}, "temperature")])
+                                       ({"temperature": float("nan")}, "temperature"), ({"seed": 2**64}, "seed")])
 def test_bad_sampling_params(kw, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kw)

@@ -248,6 +248,7 @@ def test_ranked_straight_through_passes_no_gradient_to_dropped_channels():
 
 @pytest.mark.parametrize("spec,match", [("int8r100", "multiple"), ("fp8r128", "only channel"),
                                         ("int4:t64r64", "only channel"), ("int4r", "rank after"),
+                                        ("int4r0", "positive rank"),
                                         ("bf16r64", "only channel")])
 def test_bad_ranks_raise(spec, match):
     with pytest.raises(ValueError, match=match):

@@ -97,3 +97,31 @@ def test_checkpoint_dir_round_trip_and_errors(tmp_path):
     (tmp_path / "v3" / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match="no weights"):
         load_model(path)
+
+
+def test_unreadable_config_is_a_one_line_error(tmp_path, capsys):
+    from quantmla.cli import main
+
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(tmp_path / "bad")
+    for command in ("info", "eval"):  # eval reads the quantmla section first, with json itself
+        assert main([command, str(tmp_path / "bad")]) == 2
+        assert "config.json" in capsys.readouterr().err
+
+
+def test_model_type_without_a_transformers_class_is_refused_by_name(tmp_path):
+    """A checkpoint needing its own code (Kimi K2's `kimi_k2`, with an auto_map) gets the supported-families
+    refusal, not transformers' trust_remote_code request (or its prompt, on a terminal)."""
+    import json
+
+    from quantmla.calibrate.streaming import skeleton
+
+    path = save_tiny_model("deepseek_v3", tmp_path / "kimi")
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (path / "config.json").write_text(json.dumps(cfg))
+    for load in (load_model, skeleton):
+        with pytest.raises(UnsupportedModelError, match="'kimi_k2'.*supported: deepseek_v2"):
+            load(path)

@@ -257,6 +257,7 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "top_p": 0}, 400, "top_p", None),
     ("/v1/completions", {"prompt": "x", "top_k": -2}, 400, "top_k", None),
     ("/v1/completions", {"prompt": "x", "seed": "s"}, 400, "seed", None),
+    ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed", None),  # torch's generators take 64 bits
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", None),
     ("/v1/completions", {"prompt": "x", "stream": True, "n": 3}, 400, "n", None),

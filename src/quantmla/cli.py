@@ -66,9 +66,19 @@ def cmd_info(args) -> None:
                             "layers": rows, "bytes_per_token_bf16": bf16, "bytes_per_token": quant})
 
 
+def _check_length(model, length: int) -> None:
+    """Windows longer than the model's positions would calibrate or measure it where it never runs (eval and
+    serve refuse them too)."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    if limit and length > limit:
+        raise ValueError(f"--length {length} exceeds the model's max_position_embeddings {limit}; "
+                         f"use --length {limit} or less")
+
+
 # ---------------------------------------------------------------- analyze
 def cmd_analyze(args) -> None:
     from quantmla.analysis.amplification import amplification, plot
+    from quantmla.config import CacheConfig
     from quantmla.data import encode, read_text, resolve_model_dir, token_windows, tokenizer_for
     from quantmla.models import describe, load_model
 
@@ -77,11 +87,13 @@ def cmd_analyze(args) -> None:
         raise ValueError(f"--nmse must be in (0, 1), got {args.nmse}")
     console.print(f"model: {model_dir}")
     model = load_model(model_dir)
+    _check_length(model, args.length)
     layers = describe(model)
     ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size)
     batch = token_windows(ids, args.length, args.samples)
     console.print(f"text: {args.data or 'built-in calibration sample'}; {batch.shape[0]} x {batch.shape[1]} tokens")
-    result = amplification(model, layers, batch, args.nmse, args.seed)
+    result = amplification(model, layers, batch, args.nmse, args.seed, policy=CacheConfig(sink=args.sink,
+                                                                                      recent=args.recent))
 
     table = Table(title=f"Attention-output NMSE with cache NMSE {args.nmse:g} in one path of one layer")
     for col in ("layer", "content: before o_proj", "content: after o_proj", "rope: before o_proj",
@@ -166,6 +178,7 @@ def cmd_calibrate(args) -> None:
         model = skeleton(model_dir)  # parameters on the meta device; calibrate_streaming loads them per layer
     else:
         model = load_model(model_dir)
+    _check_length(model, args.length)
     layers = describe(model)
     cfg = CacheConfig(content, rope, args.sink, args.recent).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
     ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size)
@@ -380,6 +393,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--data", help="text file to run on (default: the built-in calibration sample)")
     s.add_argument("--length", type=int, default=512, help="tokens per sequence (default 512)")
     s.add_argument("--samples", type=int, default=4, help="number of sequences (default 4)")
+    # the policy that says where noise goes; its error for too short sequences suggests a smaller window
+    s.add_argument("--sink", type=int, default=4, help="first tokens kept noise-free, as BF16 (default 4)")
+    s.add_argument("--recent", type=int, default=128, help="most recent tokens kept noise-free (default 128)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", help="write the results as JSON here")
     s.add_argument("--plot", help="write a per-layer plot (PNG) here")

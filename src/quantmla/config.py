@@ -100,8 +100,8 @@ class QuantFormat:
         except ValueError:
             raise ValueError(f"bad format {spec!r}: expected a clipping ratio after 'c', e.g. int4:32c0.9") from None
         base, has_rank, rank = base.partition("r")
-        if has_rank and not rank.isdigit():
-            raise ValueError(f"bad format {spec!r}: expected a rank after 'r', e.g. int8r128")
+        if has_rank and (not rank.isdigit() or not int(rank)):  # rank 0 means "every channel": not a spelling
+            raise ValueError(f"bad format {spec!r}: expected a positive rank after 'r', e.g. int8r128")
         kind, _, group = base.partition(":")
         if group.startswith("t"):  # token axis: int4:t64 (or int4:t for the default block)
             tokens = group[1:]

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from quantmla.config import CacheConfig
+from quantmla.models.adapters import read_config_json
 
 SECTION = "quantmla"
 # Files besides config and weights that make a checkpoint directory usable on its own.
@@ -63,7 +64,7 @@ def quantmla_section(model_dir: str | Path) -> dict | None:
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
-    return json.loads(path.read_text()).get(SECTION)
+    return read_config_json(model_dir).get(SECTION)
 
 
 def cache_config_of(model_dir: str | Path) -> CacheConfig | None:

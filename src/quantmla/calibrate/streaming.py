@@ -34,7 +34,7 @@ from quantmla.calibrate.driver import calibrate_model
 from quantmla.calibrate.space import SearchSpace
 from quantmla.calibrate.export import SECTION, finish_checkpoint, section
 from quantmla.config import CacheConfig
-from quantmla.models.adapters import check_checkpoint_dir, describe
+from quantmla.models.adapters import check_checkpoint_dir, describe, load_config
 
 _EXPERT = re.compile(r"^(?P<pre>.*mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -107,9 +107,9 @@ def _parameters_on_meta():
 
 def skeleton(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     """The model of `model_dir` with every parameter on the meta device (no weights read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(check_checkpoint_dir(model_dir), local_files_only=True)
+    config = load_config(model_dir)
     config._attn_implementation = "eager"
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)

@@ -14,6 +14,7 @@ RoPE styles (pairs are index pairs inside the rope part, of width d):
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -190,21 +191,47 @@ def check_checkpoint_dir(path: str | Path) -> Path:
     return path
 
 
+def read_config_json(path: str | Path) -> dict:
+    """A checkpoint directory's config.json as a dict; ValueError naming the file when it is not JSON."""
+    file = Path(path) / "config.json"
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); fix or replace the checkpoint's config.json") from None
+
+
+def _unsupported(model_type, path: Path) -> UnsupportedModelError:
+    return UnsupportedModelError(f"model_type {model_type!r} in {path} is not a supported MLA family; "
+                                 f"supported: {', '.join(sorted(FAMILIES))}")
+
+
+def load_config(path: str | Path):
+    """The transformers config of a local MLA checkpoint directory; refuses any other model by its model_type."""
+    from transformers import AutoConfig
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    path = check_checkpoint_dir(path)
+    declared = read_config_json(path).get("model_type")
+    # A model_type transformers has no class for needs the checkpoint's own code, which quantmla never runs
+    # (transformers would ask for trust_remote_code, or prompt on a terminal): refuse it here, by name.
+    if isinstance(declared, str) and declared not in CONFIG_MAPPING:
+        raise _unsupported(declared, path)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(text, "model_type", None) not in FAMILIES:
+        raise _unsupported(getattr(text, "model_type", None), path)
+    return config
+
+
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False, attn: str = "eager"):
     """Load a local HF MLA checkpoint with transformers' own classes (no hub access).
 
     meta=True builds the architecture without weights (for `describe`/`info`).
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    path = check_checkpoint_dir(path)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if getattr(text, "model_type", None) not in FAMILIES:
-        raise UnsupportedModelError(
-            f"model_type {getattr(text, 'model_type', None)!r} in {path} is not a supported MLA family; "
-            f"supported: {', '.join(sorted(FAMILIES))}"
-        )
+    config = load_config(path)
+    path = Path(path)
     if meta:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
