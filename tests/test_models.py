@@ -111,17 +111,62 @@ def test_unreadable_config_is_a_one_line_error(tmp_path, capsys):
         assert "config.json" in capsys.readouterr().err
 
 
-def test_model_type_without_a_transformers_class_is_refused_by_name(tmp_path):
-    """A checkpoint needing its own code (Kimi K2's `kimi_k2`, with an auto_map) gets the supported-families
-    refusal, not transformers' trust_remote_code request (or its prompt, on a terminal)."""
+def _retyped(tmp_path, model_type: str):
+    """A tiny DeepSeek-V3 checkpoint whose config.json declares `model_type` and, as Kimi K2's does, an
+    auto_map to its own code."""
     import json
 
+    path = save_tiny_model("deepseek_v3", tmp_path / model_type)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(model_type=model_type, architectures=["DeepseekV3ForCausalLM"],
+               auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                         "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"})
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_model_type_without_a_transformers_class_is_refused_by_name(tmp_path):
+    """A checkpoint needing its own code (a model_type transformers has no class for, with an auto_map)
+    gets the supported-families refusal, not transformers' trust_remote_code request (or its prompt)."""
     from quantmla.calibrate.streaming import skeleton
 
-    path = save_tiny_model("deepseek_v3", tmp_path / "kimi")
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
-    (path / "config.json").write_text(json.dumps(cfg))
+    path = _retyped(tmp_path, "mla_custom")
     for load in (load_model, skeleton):
-        with pytest.raises(UnsupportedModelError, match="'kimi_k2'.*supported: deepseek_v2"):
+        with pytest.raises(UnsupportedModelError, match="'mla_custom'.*supported: deepseek_v2"):
             load(path)
+
+
+def test_kimi_k2_checkpoints_load_as_deepseek_v3(tmp_path):
+    """Kimi K2 declares model_type kimi_k2 with DeepSeek-V3's architecture and its own code: quantmla reads
+    it with transformers' DeepSeek-V3 classes (no checkpoint code) and computes the same logits."""
+    from quantmla.calibrate.streaming import skeleton
+
+    path = _retyped(tmp_path, "kimi_k2")
+    ref = load_model(path)
+    ids = torch.randint(0, ref.config.vocab_size, (1, 12), generator=torch.Generator().manual_seed(0))
+    want = tiny_model("deepseek_v3")(ids).logits
+    torch.testing.assert_close(ref(ids).logits, want)
+    assert ref.config.model_type == "deepseek_v3" and not hasattr(ref.config, "auto_map")
+    assert skeleton(path).config.model_type == "deepseek_v3"
+    assert len(describe(path)) == ref.config.num_hidden_layers
+
+
+def test_tokenizer_that_needs_its_own_code_is_a_clear_error(tmp_path):
+    """Kimi K2 ships a tiktoken tokenizer behind an auto_map to its own code, which quantmla does not run;
+    transformers then builds an empty tokenizer without failing. quantmla refuses it, naming the remedy."""
+    import json
+
+    from quantmla.data import tokenizer_for
+
+    path = _retyped(tmp_path, "kimi_k2")
+    (path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "TikTokenTokenizer", "auto_map": {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}}))
+    (path / "tiktoken.model").write_text("")
+    with pytest.raises(ValueError, match="could not build a tokenizer.*tokenizer.json"):
+        tokenizer_for(path)  # the config.json's auto_map: transformers asks for the code
+    (path / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "TikTokenTokenizer"}))
+    config = json.loads((path / "config.json").read_text())
+    del config["auto_map"]
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="vocabulary of [01];.*tokenizer.json"):
+        tokenizer_for(path)  # no auto_map at all: transformers builds an empty tokenizer

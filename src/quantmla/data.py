@@ -51,13 +51,27 @@ def read_text(path: str | Path | None, default: str = "calibration.txt") -> str:
 
 
 def tokenizer_for(model_dir: str | Path):
-    """The checkpoint's own tokenizer, or None when it ships none (the tiny test models)."""
+    """The checkpoint's own tokenizer, or None when it ships none (the tiny test models). The checkpoint's
+    own tokenizer code (an `auto_map` in tokenizer_config.json, as Kimi K2's) is never run; where
+    transformers cannot build a tokenizer from the files without it (an empty vocabulary), this says so."""
     model_dir = Path(model_dir)
     if not any((model_dir / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json")):
         return None
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    remedy = ("save the tokenizer there as a tokenizer.json (e.g. with `tokenizer.save_pretrained` where its code "
+              "may run)")
+    try:
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+    except ValueError as e:
+        if "custom code" not in str(e):
+            raise
+        raise ValueError(f"transformers could not build a tokenizer from the files in {model_dir} without the "
+                         f"checkpoint's own code, which quantmla does not run: {remedy}") from None
+    if len(tok) <= 1:  # transformers 5 builds an empty tokenizer rather than fail
+        raise ValueError(f"transformers could not build a tokenizer from the files in {model_dir} (a vocabulary of "
+                         f"{len(tok)}; a tokenizer that needs its own code is not run): {remedy}")
+    return tok
 
 
 def encode(text: str, tokenizer, vocab_size: int) -> torch.Tensor:

@@ -205,13 +205,25 @@ def _unsupported(model_type, path: Path) -> UnsupportedModelError:
                                  f"supported: {', '.join(sorted(FAMILIES))}")
 
 
+# Checkpoints that name their own model_type but are a supported family's architecture (their config.json's
+# `architectures`), read with that family's transformers classes: Kimi K2 is DeepSeek-V3.
+ALIASES = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}
+
+
 def load_config(path: str | Path):
-    """The transformers config of a local MLA checkpoint directory; refuses any other model by its model_type."""
+    """The transformers config of a local MLA checkpoint directory; refuses any other model by its model_type.
+    An `ALIASES` model_type gets its family's config class (without the checkpoint's `auto_map`, so no code
+    of the checkpoint runs; a checkpoint quantmla saves from it is of the family's model_type)."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     path = check_checkpoint_dir(path)
-    declared = read_config_json(path).get("model_type")
+    raw = read_config_json(path)
+    declared = raw.get("model_type")
+    if declared in ALIASES and ALIASES[declared][1] in raw.get("architectures", []):
+        family = ALIASES[declared][0]
+        fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
+        return CONFIG_MAPPING[family].from_dict(fields)
     # A model_type transformers has no class for needs the checkpoint's own code, which quantmla never runs
     # (transformers would ask for trust_remote_code, or prompt on a terminal): refuse it here, by name.
     if isinstance(declared, str) and declared not in CONFIG_MAPPING:
@@ -237,7 +249,8 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
             return AutoModelForCausalLM.from_config(config)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise FileNotFoundError(f"{path} has a config.json but no weights (*.safetensors)")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, attn_implementation=attn)
+    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True,
+                                                 attn_implementation=attn)
     return model.eval()
 
 
