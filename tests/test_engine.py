@@ -288,6 +288,20 @@ def test_request_larger_than_the_pool_is_refused():
     assert llm.stats()["pages_used"] == 0
 
 
+def test_cpu_default_pool_fits_in_memory(monkeypatch, caplog):
+    """With no budget given, the CPU pool holds max_num_seqs x max_model_len tokens, unless that is more than
+    half of the memory available: then half of it, with a warning that says how to choose."""
+    from quantmla.engine import llm as llm_module
+
+    full = LLM(max_num_seqs=4, max_model_len=2048)
+    assert full.capacity_tokens >= 4 * 2048
+    monkeypatch.setattr(llm_module, "_available_memory", lambda: full.kv_cache_bytes)  # the full pool: 2x half
+    with caplog.at_level("WARNING", logger="quantmla.engine"):
+        capped = LLM(max_num_seqs=4, max_model_len=2048)
+    assert capped.kv_cache_bytes <= full.kv_cache_bytes // 2 and capped.capacity_tokens < 4 * 2048
+    assert "would not fit in memory" in caplog.text and "kv_cache_bytes" in caplog.text
+
+
 def test_budget_too_small_says_so():
     with pytest.raises(ValueError, match="holds no page"):
         LLM(kv_cache_bytes=1000)

@@ -12,7 +12,8 @@ calibrated checkpoint's `quantmla` config section, or default to int4/int4, sink
 
 The KV pool is sized from a byte budget: `kv_cache_bytes`, or on CUDA `gpu_memory_utilization` of the card
 minus what is already allocated and a reserve for activations; on the CPU, by default, room for
-`max_num_seqs` sequences of `max_model_len` tokens. `capacity_tokens` is what the chosen formats fit in it.
+`max_num_seqs` sequences of `max_model_len` tokens, at most half of the memory available (with a warning).
+`capacity_tokens` is what the chosen formats fit in it.
 
 Serving loop (one thread owns the object): `add_request` queues a request (refused with ValueError, nothing
 queued, when it can never run), `step` runs one prefill or decode step and returns what each request got,
@@ -39,6 +40,18 @@ from quantmla.engine.sequence import Sequence
 from quantmla.models.adapters import describe
 
 log = logging.getLogger("quantmla.engine")
+
+
+def _available_memory() -> int | None:
+    """Bytes of memory the OS reports available now (Linux), else None."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 ACTIVATION_RESERVE = 2 << 30  # bytes kept free on CUDA for activations and graphs when sizing from utilization
 
@@ -132,7 +145,14 @@ class LLM:
             total = torch.cuda.get_device_properties(device).total_memory
             return int(total * utilization) - torch.cuda.memory_allocated(device) - ACTIVATION_RESERVE
         blocks = max_num_seqs * -(-self.max_model_len // layout.block_size)
-        return layout.bytes_for(blocks, max_num_seqs) + layout.page_bytes  # rounding slack
+        room = layout.bytes_for(blocks, max_num_seqs) + layout.page_bytes  # rounding slack
+        free = _available_memory()
+        if free is not None and room > free // 2:  # e.g. 64 x 160 K tokens of a 61-layer model: hundreds of GB
+            log.warning("a pool for %d sequences of %d tokens (%.1f GiB) would not fit in memory: using half of "
+                        "the available %.1f GiB (set kv_cache_bytes / --kv-cache-bytes, max_model_len or "
+                        "max_num_seqs to choose)", max_num_seqs, self.max_model_len, room / 2**30, free / 2**30)
+            return free // 2
+        return room
 
     @property
     def capacity_tokens(self) -> int:
