@@ -129,6 +129,14 @@ def test_cli_json(tiny_dir, tmp_path):
     assert set(d["niah"]) == set(TASKS) and set(d["niah"]["single"]) == {"80", "96"}
 
 
+def test_cli_scores_half_a_short_window_by_default(tiny_dir, tmp_path):
+    """Without --scored, windows shorter than 512 tokens score their second half (256 would not fit)."""
+    out = tmp_path / "eval.json"
+    assert main(["eval", str(tiny_dir), "--method", "rtn", "--recent", "16", "--lengths", "96", "--samples", "1",
+                 "--tasks", "ppl,kl", "--json", str(out)]) == 0
+    assert json.loads(out.read_text())["kl"] > 0
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--method", "nope"], "known methods: bf16, fp8, fp8-content, rtn, rtn-content"),
     (["--method", "rtn", "--content", "int3"], "unknown cache format 'int3'"),

@@ -265,9 +265,10 @@ def cmd_eval(args) -> None:
     if args.method not in METHODS:
         raise ValueError(f"unknown method {args.method!r}; known methods: {', '.join(METHODS)}")
     method_args = MethodArgs(args.content, args.rope, args.sink, args.recent)
+    lengths = _int_list(args.lengths, "--lengths")
+    scored = args.scored if args.scored is not None else min(256, max(lengths, default=512) // 2)  # short: half
     settings = EvalSettings(tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
-                            lengths=_int_list(args.lengths, "--lengths"), samples=args.samples,
-                            scored=args.scored, seed=args.seed, batch=args.batch)
+                            lengths=lengths, samples=args.samples, scored=scored, seed=args.seed, batch=args.batch)
     if args.data and not Path(args.data).is_file():
         raise FileNotFoundError(f"text file not found: {args.data}")
     model_dir = resolve_model_dir(args.model)
@@ -478,7 +479,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "ppl/kl windows are as many tokens as the longest (default 512,1024,2048)")
     s.add_argument("--samples", type=int, default=8,
                    help="ppl/kl windows, and needle samples per task and length (default 8)")
-    s.add_argument("--scored", type=int, default=256, help="scored tokens at the end of each ppl/kl window (default 256)")
+    s.add_argument("--scored", type=int, default=None,
+                   help="scored tokens at the end of each ppl/kl window (default 256, or half a shorter window)")
     s.add_argument("--batch", type=int, default=8, help="sequences per forward (default 8)")
     s.add_argument("--data", help="held-out text file for ppl/kl and needle filler (default: the shipped heldout.txt)")
     s.add_argument("--seed", type=int, default=0)
