@@ -197,7 +197,7 @@ def test_odd_widths_cannot_be_packed():
 
 
 @pytest.mark.parametrize("spec", ["int3", "fp6", "bf8", "", "int4:x", "int4:-2", "int4:0", "fp4:0",
-                                  "lm3:t32", "int4:tx", "int4:t0"])
+                                  "lm3:t32", "int4:tx", "int4:t0", "bf16:8"])
 def test_bad_format_names_raise(spec):
     with pytest.raises(ValueError):
         QuantFormat.parse(spec)

@@ -110,6 +110,8 @@ class QuantFormat:
             return cls(kind, int(tokens) if tokens else DEFAULT_TOKEN_GROUP, "token", clip, int(rank or 0))
         if group and not group.isdigit():
             raise ValueError(f"bad format {spec!r}: expected KIND or KIND:GROUP, e.g. int4 or int4:32")
+        if kind == "bf16" and group:  # a spelled group would be dropped silently
+            raise ValueError(f"bad format {spec!r}: bf16 stores the values themselves, with no groups; write bf16")
         return cls(kind, int(group) if group else -1, "channel", clip, int(rank or 0))
 
     def check_dim(self, dim: int, path: str = "cache") -> None:
