@@ -41,6 +41,8 @@ from quantmla.models.adapters import describe
 
 log = logging.getLogger("quantmla.engine")
 
+ACTIVATION_RESERVE = 2 << 30  # bytes kept free on CUDA for activations and graphs when sizing from utilization
+
 
 def _available_memory() -> int | None:
     """Bytes of memory the OS reports available now (Linux), else None."""
@@ -52,8 +54,6 @@ def _available_memory() -> int | None:
     except OSError:
         pass
     return None
-
-ACTIVATION_RESERVE = 2 << 30  # bytes kept free on CUDA for activations and graphs when sizing from utilization
 
 
 @dataclass

@@ -176,6 +176,10 @@ if triton is not None:
         dr = tl.arange(0, DR)
         c = tl.load(c_ptr + b * c_stride + dc)
         r = tl.load(r_ptr + b * r_stride + dr)
+        cq = tl.arange(0, CQ)  # the channels the content pool stores
+        c_q = c
+        if CQ < DC:  # a ranked content path quantizes channels [0, CQ) only
+            c_q = tl.load(c_ptr + b * c_stride + cq)
         if W > 0:
             slot_row = tl.load(slots_ptr + b).to(tl.int64) * W
         if RECENT > 0:
@@ -183,19 +187,13 @@ if triton is not None:
             ev = L - RECENT
             evict = ev >= SINK
             ring = slot_row + SINK + (tl.maximum(ev, SINK) - SINK) % RECENT
-            xc = tl.where(evict, _cast(tl.load(pc_ptr + ring * DC + dc), c_ptr.dtype.element_ty), c)
+            xc = tl.where(evict, _cast(tl.load(pc_ptr + ring * DC + cq), c_ptr.dtype.element_ty), c_q)
             xr = tl.where(evict, _cast(tl.load(pr_ptr + ring * DR + dr), r_ptr.dtype.element_ty), r)
             qpos = tl.maximum(ev, 0)
-            if CQ < DC:  # a ranked content path quantizes channels [0, CQ) only
-                cq = tl.arange(0, CQ)
-                xc = tl.where(evict, _cast(tl.load(pc_ptr + ring * DC + cq), c_ptr.dtype.element_ty),
-                              tl.load(c_ptr + b * c_stride + cq))
         else:  # no ring: the new token is quantized at once (into an unread row while it is a sink token)
-            xc = c
+            xc = c_q
             xr = r
             qpos = L
-            if CQ < DC:
-                xc = tl.load(c_ptr + b * c_stride + tl.arange(0, CQ))
         row = tl.load(bt_ptr + b * bt_stride + qpos // PAGE).to(tl.int64) * PAGE + qpos % PAGE
         _quantize_store(xc, cc_ptr, cs_ptr, cz_ptr, row, CQ, C_KIND, C_BITS, C_GROUP, C_SCALED, RECIP, C_CLIP,
                         C_MARGIN)

@@ -639,7 +639,8 @@ def _body_channels(path: PagedPath) -> int:
     """Content channels the body tiles compute: a ranked format's stored rank where it is a power of two of
     at least 16 (a tensor-core tile) and 1/16 of the channels, else all of them (the unstored read as 0)."""
     width = path.fmt.stored(path.dim)
-    return width if width < path.dim and width & (width - 1) == 0 and 16 * width >= path.dim >= width >= 16 else path.dim
+    narrow = width < path.dim and width & (width - 1) == 0 and width >= max(16, path.dim // 16)
+    return width if narrow else path.dim
 
 
 def _row_strides(path: PagedPath) -> tuple[int, int]:

@@ -14,8 +14,9 @@ e.g. INT4/INT4 with groups of 64 on the default model (kv_lora_rank 512, rope 64
 The row length is rounded up to a multiple of 4 bytes. With per-layer formats (a calibrated checkpoint's
 `layers`) each layer packs its own fields in the same order, and every row is as long as the widest layer's
 (vLLM gives all layers one row size); a narrower layer leaves the rest of its row unused. Each field is a
-strided view of the tensor ([num_blocks, block_size, width], row stride = the row length), handed to `PagedMLACache` as its pools, so
-the cache's own writers and readers (`append`, `append_decode`, `gather`) run unchanged on vLLM's memory.
+strided view of the tensor ([num_blocks, block_size, width], row stride = the row length), handed to
+`PagedMLACache` as its pools, so the cache's own writers and readers (`append`, `append_decode`, `gather`)
+run unchanged on vLLM's memory.
 
 The BF16 sink + recent tokens are not in vLLM's tensor (a row has no room for them): they live in the
 cache's `protected_content` / `protected_rope` rows [max_seqs, sink + recent, dim], indexed by the slot
