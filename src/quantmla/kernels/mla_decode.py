@@ -364,25 +364,34 @@ if triton is not None:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), acc)
         return tl.dot(a, b, acc)
 
+    # The helpers whose result's shape depends on an orientation (S_T, V_T) keep one return: compiled Triton
+    # (3.6) also generates the code after a constexpr `if X: return ...` and refuses the function when the two
+    # shapes differ. The interpreter runs plain Python and never sees this, so the GPU tests cover it.
     @triton.jit
     def _load_queries(q_ptr, bh, hmask, D: tl.constexpr, W: tl.constexpr, S_T: tl.constexpr):
         """Channels [0, W) of the queries q [B, H, D] of heads bh, as bf16 [BH, W] ([W, BH] with S_T)."""
         d = tl.arange(0, W)
         if S_T:
-            return tl.load(q_ptr + bh[None, :] * D + d[:, None], mask=hmask[None, :], other=0.0).to(tl.bfloat16)
-        return tl.load(q_ptr + bh[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0).to(tl.bfloat16)
+            q = tl.load(q_ptr + bh[None, :] * D + d[:, None], mask=hmask[None, :], other=0.0)
+        else:
+            q = tl.load(q_ptr + bh[:, None] * D + d[None, :], mask=hmask[:, None], other=0.0)
+        return q.to(tl.bfloat16)
 
     @triton.jit
     def _zeros_acc(BH: tl.constexpr, W: tl.constexpr, V_T: tl.constexpr):
         if V_T:
-            return tl.zeros([W, BH], tl.float32)
-        return tl.zeros([BH, W], tl.float32)
+            acc = tl.zeros([W, BH], tl.float32)
+        else:
+            acc = tl.zeros([BH, W], tl.float32)
+        return acc
 
     @triton.jit
     def _rescale(acc, alpha, V_T: tl.constexpr):
         if V_T:
-            return acc * alpha[None, :]
-        return acc * alpha[:, None]
+            acc = acc * alpha[None, :]
+        else:
+            acc = acc * alpha[:, None]
+        return acc
 
     @triton.jit
     def _double(acc, V_T: tl.constexpr):
@@ -390,8 +399,10 @@ if triton is not None:
         permute puts the pair axis before the channels, so the reshape lays out all of acc, then the zeros."""
         z = tl.zeros(acc.shape, tl.float32)
         if V_T:
-            return tl.reshape(tl.permute(tl.join(acc, z), (2, 0, 1)), [2 * acc.shape[0], acc.shape[1]])
-        return tl.reshape(tl.permute(tl.join(acc, z), (0, 2, 1)), [acc.shape[0], 2 * acc.shape[1]])
+            wide = tl.reshape(tl.permute(tl.join(acc, z), (2, 0, 1)), [2 * acc.shape[0], acc.shape[1]])
+        else:
+            wide = tl.reshape(tl.permute(tl.join(acc, z), (0, 2, 1)), [acc.shape[0], 2 * acc.shape[1]])
+        return wide
 
     @triton.jit
     def _widen(acc, W: tl.constexpr, D: tl.constexpr, V_T: tl.constexpr):
