@@ -66,7 +66,7 @@ import torch  # noqa: E402
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
 from quantmla.cache.paged import PagedMLACache  # noqa: E402
-from quantmla.config import CacheConfig  # noqa: E402
+from quantmla.config import CacheConfig, QuantFormat  # noqa: E402
 from quantmla.engine import LLM, SamplingParams  # noqa: E402
 from quantmla.models.adapters import describe  # noqa: E402
 
@@ -811,7 +811,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a 2-layer model and small loads")
     ap.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
-    ap.add_argument("--formats", default=",".join(FORMATS), help=f"headline rows, from {', '.join(FORMATS)}")
+    ap.add_argument("--formats", default=",".join(FORMATS), help=f"headline rows: {', '.join(FORMATS)} or any quantmla CONTENT/ROPE pair")
     ap.add_argument("--requests", type=int)
     ap.add_argument("--prompt-len", type=int)
     ap.add_argument("--output-len", type=int)
@@ -864,16 +864,23 @@ def describe_load(w: Workload) -> str:
     return f"{w.requests} requests x {w.prompt_len}-token prompts x {w.output_len} output tokens, {arrive}"
 
 
+def quantmla_format(key: str) -> Format:
+    """Any other CONTENT/ROPE pair quantmla stores (e.g. a ranked format a calibration chose: int8r256/int4)."""
+    try:
+        content, rope = key.split("/")
+        QuantFormat.parse(content), QuantFormat.parse(rope)
+    except ValueError as e:
+        raise SystemExit(f"unknown format {key!r} ({e}); known: {', '.join(FORMATS)} or any CONTENT/ROPE pair")
+    return Format(key, f"quantmla {key}", content, rope, 4, 128)
+
+
 def format_list(text: str, window: str) -> list[Format]:
     """The formats named in `text`; the quantized ones with the BF16 window `window` (SINK+RECENT)."""
     keys = [k.strip() for k in text.split(",") if k.strip()]
-    bad = [k for k in keys if k not in FORMATS]
-    if bad:
-        raise SystemExit(f"unknown format(s) {', '.join(bad)}; known: {', '.join(FORMATS)}")
     m = re.fullmatch(r"(\d+)\+(\d+)", window.strip())
     if not m:
         raise SystemExit(f"bad --window {window!r}: expected SINK+RECENT, e.g. 4+128")
-    fmts = [FORMATS[k] for k in keys]
+    fmts = [FORMATS.get(k) or quantmla_format(k) for k in keys]
     return [replace(f, sink=int(m[1]), recent=int(m[2])) if f.sink + f.recent else f for f in fmts]
 
 
