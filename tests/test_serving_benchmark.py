@@ -134,6 +134,11 @@ def test_budget_is_a_fraction_of_the_bf16_load():
     with pytest.raises(SystemExit, match="unknown format"):
         sp.format_list("bf16", "4+128")
     assert [f.recent for f in sp.format_list("fp8/bf16,int2/int4", "4+64")] == [0, 64]
+    ranked = sp.format_list("int8r128/int4", "4+64")[0]  # any pair quantmla stores, with the window
+    assert (ranked.content, ranked.rope, ranked.sink, ranked.recent) == ("int8r128", "int4", 4, 64)
+    for bad in ("int4r0/int4", "int4/int4/int4", "int9/int4"):
+        with pytest.raises(SystemExit, match="unknown format"):
+            sp.format_list(bad, "4+128")
 
 
 def test_engines_share_one_model_and_put_its_attention_back():
