@@ -671,9 +671,46 @@ def num_splits_for(batch: int, num_heads: int, max_seq_len: int, cfg: KernelConf
     return max(1, min(want, triton.cdiv(max(max_seq_len, 1), cfg.min_split)))
 
 
-def _launch(grid, cfg: KernelConfig, *args) -> None:
-    _mla_decode_kernel[grid](*args, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                             **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+@dataclass(frozen=True)
+class Launch:
+    """One Triton launch of `_mla_decode_kernel`: grid, positional arguments (tensors, ints, the scale and the
+    constexprs, in the kernel's parameter order), launch options, and (out, lse, part_o, part_lse) of
+    `split_outputs` that it writes."""
+
+    grid: tuple[int, int, int]
+    args: tuple
+    options: dict
+    outputs: tuple
+
+
+def triton_launch(q_nope_absorbed, q_pe, cache: PagedMLACache, block_tables, seq_lens, slots, sm_scale: float,
+                  cfg: KernelConfig, num_splits: int, out_dtype: torch.dtype, *, asm: bool,
+                  interpreting: bool) -> Launch:
+    """The launch `mla_decode` makes (arguments as there); asm / interpreting: the USE_ASM and F32_DOT
+    constexprs. Apart from running it, so that `kernels.offline` can compile the very same launch for a GPU
+    the machine does not have."""
+    B, H, dc = q_nope_absorbed.shape
+    dr = q_pe.shape[-1]
+    dev = q_nope_absorbed.device
+    if slots is None:
+        slots = torch.arange(B, dtype=torch.int32, device=dev)
+    qn, qp = q_nope_absorbed.contiguous(), q_pe.contiguous()
+    outputs = split_outputs(B, H, dc, num_splits, out_dtype, dev)
+    part_o, part_lse = outputs[2:]
+    c_ptrs, c_const = _path_args(cache.content)
+    r_ptrs, r_const = _path_args(cache.rope)
+    block_n = math.gcd(cfg.block_n, cache.block_size)  # body tiles must not cross a page
+    if not interpreting and min(block_n, dc, dr) < 16:
+        raise ValueError(f"on the GPU the kernel needs pages, kv_lora_rank and rope dims of at least 16 tokens or "
+                         f"channels (tensor-core tiles); got page {cache.block_size}, dims {dc}/{dr}")  # fmt: skip
+    args = (qn, qp, *c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope,
+            block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
+            H, num_splits, sm_scale * LOG2E,
+            dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
+            _stored_groups(cache.content), _stored_groups(cache.rope), _body_channels(cache.content), cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
+            cfg.block_h, block_n, cfg.scores_t, cfg.values_t, asm, interpreting)  # fmt: skip
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    return Launch((triton.cdiv(H, cfg.block_h), num_splits, B), args, options, outputs)
 
 
 def _interpreting() -> bool:
@@ -744,26 +781,10 @@ def mla_decode(
     cfg = config or default_config(cache, H)
     if num_splits is None:
         num_splits = num_splits_for(B, H, max_seq_len, cfg, _sm_count(dev))
-    if slots is None:
-        slots = torch.arange(B, dtype=torch.int32, device=dev)
-    qn, qp = q_nope_absorbed.contiguous(), q_pe.contiguous()
-    out, lse, part_o, part_lse = split_outputs(B, H, dc, num_splits, out_dtype, dev)
-    c_ptrs, c_const = _path_args(cache.content)
-    r_ptrs, r_const = _path_args(cache.rope)
-    block_n = math.gcd(cfg.block_n, cache.block_size)  # body tiles must not cross a page
-    if not _interpreting() and min(block_n, dc, dr) < 16:
-        raise ValueError(f"on the GPU the kernel needs pages, kv_lora_rank and rope dims of at least 16 tokens or "
-                         f"channels (tensor-core tiles); got page {cache.block_size}, dims {dc}/{dr}")  # fmt: skip
-    use_asm = cfg.asm and not _interpreting()
-    grid = (triton.cdiv(H, cfg.block_h), num_splits, B)
+    launch = triton_launch(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, cfg, num_splits,
+                           out_dtype, asm=cfg.asm and not _interpreting(), interpreting=_interpreting())
     try:
-        _launch(grid, cfg,
-                qn, qp, *c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope,
-                block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
-                H, num_splits, sm_scale * LOG2E,
-                dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
-                _stored_groups(cache.content), _stored_groups(cache.rope), _body_channels(cache.content), cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
-                cfg.block_h, block_n, cfg.scores_t, cfg.values_t, use_asm, _interpreting())  # fmt: skip
+        _mla_decode_kernel[launch.grid](*launch.args, **launch.options)
     except OutOfResources as e:
         token = [f"{name} {p.fmt}" for name, p in (("content", cache.content), ("rope", cache.rope)) if p.block > 1]
         if not token:
@@ -773,6 +794,7 @@ def mla_decode(
         # content path, nor at 128 heads for a RoPE path.
         raise ValueError(f"the decode kernel cannot launch the token-axis {', '.join(token)} at {H} heads on this "
                          f"GPU ({e}); serve channel-grouped formats here (calibrate without --token-axis)") from e
+    out, lse, part_o, part_lse = launch.outputs
     combine_splits(part_o, part_lse, out, lse)
     return out, lse
 

@@ -1,0 +1,65 @@
+"""Compile the Triton decode kernel for a GPU this machine does not have (no driver, no device needed).
+
+`compile_decode` builds the launch `mla_decode` would make for a cache and head count (`triton_launch`, the
+same arguments and constexprs), and compiles it for an NVIDIA target: Triton front end, its passes, ptxas.
+What it catches that the interpreter (TRITON_INTERPRET=1, the CPU tests) cannot: code the compiler refuses
+(shapes of different constexpr branches, layouts), and launch configs whose shared memory exceeds the card's.
+It needs a Triton with the NVIDIA backend (the pip wheels ship ptxas) and a process that does not interpret
+(`TRITON_INTERPRET` unset): a kernel module imported under the interpreter holds no compilable kernels.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from quantmla.cache.paged import PagedMLACache
+from quantmla.kernels.mla_decode import KernelConfig, default_config, triton_launch
+
+# Dynamic shared memory one block may use, per compute capability (CUDA's "maximum shared memory per block").
+SHARED_LIMIT = {80: 166912, 86: 101376, 89: 101376, 90: 232448}
+_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.uint8: "u8",
+           torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv"}
+
+
+def compile_decode(cache: PagedMLACache, num_heads: int, config: KernelConfig | None = None, *,
+                   capability: int = 90, num_splits: int = 2):
+    """Compile `_mla_decode_kernel` for `cache` (any device; only its layout and dtypes matter) and
+    `num_heads` heads with `config` (default: `default_config`, as `mla_decode` picks) for sm_`capability`.
+    Returns Triton's compiled kernel (`.metadata.shared` bytes of shared memory, `.asm['ptx']`, ...); raises
+    Triton's CompilationError where the compiler refuses the kernel."""
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compile_decode needs a process without TRITON_INTERPRET=1")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from quantmla.kernels.mla_decode import _mla_decode_kernel
+
+    cfg = config or default_config(cache, num_heads)
+    dc, dr, dev = cache.kv_lora_rank, cache.rope_dim, cache.content.codes.device
+    q = torch.zeros(1, num_heads, dc, dtype=torch.bfloat16, device=dev)
+    qp = torch.zeros(1, num_heads, dr, dtype=torch.bfloat16, device=dev)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+    lens = torch.zeros(1, dtype=torch.int32, device=dev)
+    launch = triton_launch(q, qp, cache, table, lens, None, 1.0, cfg, num_splits, torch.float32,
+                           asm=cfg.asm, interpreting=False)
+    # Specialize as the JIT does at a launch: 16-byte aligned pointers and integers divisible by 16 are known
+    # to be (the loads vectorize and pipeline on it, which changes the kernel's shared memory).
+    signature, constexprs, attrs = {}, {}, {}
+    for i, (param, arg) in enumerate(zip(_mla_decode_kernel.params, launch.args, strict=True)):
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", arg
+            continue
+        if isinstance(arg, torch.Tensor):
+            signature[param.name] = "*" + _DTYPES[arg.dtype]
+            aligned = arg.data_ptr() % 16 == 0
+        elif isinstance(arg, float):
+            signature[param.name], aligned = "fp32", False
+        else:
+            signature[param.name], aligned = "i32", arg % 16 == 0
+        if aligned:
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    source = ASTSource(_mla_decode_kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=GPUTarget("cuda", capability, 64), options=launch.options)

@@ -1,0 +1,86 @@
+"""The Triton decode kernel compiles for Hopper (sm_90) on this CPU machine, through `kernels.offline`.
+
+The interpreter runs the kernel as plain Python, so code the real compiler refuses passes every other CPU
+test: on 2026-12-01 the ranked body's orientation helpers (two returns of different shapes) passed the
+interpreter tests and failed to compile on the H200. These cases compile the launches `mla_decode` makes,
+in a subprocess without TRITON_INTERPRET, and check each fits the H100/H200's shared memory.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# (content, rope, kv_lora_rank, rope_dim, heads, scores_t, values_t); None: the launch default's orientation.
+CASES = [
+    ("bf16", "bf16", 512, 64, 16, None, None),
+    ("int4", "int4", 512, 64, 16, None, None),
+    ("int4", "int4", 512, 64, 128, None, None),
+    ("int2", "int4", 512, 64, 16, None, None),
+    ("fp8", "bf16", 512, 64, 16, None, None),
+    ("int4", "int4:t64", 512, 64, 16, None, None),
+    ("int4", "int4", 256, 32, 16, None, None),  # MiniCPM3's dims
+    ("int8r256", "int4", 512, 64, 128, None, None),
+    *(("int8r128", "int4", 512, 64, 16, s, v) for s in (False, True) for v in (False, True)),
+]
+
+SCRIPT = r"""
+import json, sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
+
+def one(case):
+    from quantmla.cache.paged import PagedMLACache
+    from quantmla.config import CacheConfig
+    from quantmla.kernels.mla_decode import default_config
+    from quantmla.kernels.offline import SHARED_LIMIT, compile_decode
+    content, rope, dc, dr, heads, s_t, v_t = case
+    try:
+        config = CacheConfig(content, rope, sink=4, recent=128).fit(dc, dr)
+        cache = PagedMLACache.allocate(config, dc, dr, 4, 2, block_size=64)
+        cfg = default_config(cache, heads)
+        if s_t is not None:
+            cfg = replace(cfg, scores_t=s_t, values_t=v_t)
+        k = compile_decode(cache, heads, cfg, capability=90)
+    except Exception as e:
+        return {"case": case, "error": f"{type(e).__name__}: {e}"[-1500:]}
+    return {"case": case, "shared": k.metadata.shared, "limit": SHARED_LIMIT[90]}
+
+if __name__ == "__main__":
+    cases = [tuple(c) for c in json.loads(sys.argv[1])]
+    with ProcessPoolExecutor(2) as pool:
+        print(json.dumps(list(pool.map(one, cases))))
+"""
+
+
+def _nvidia_backend() -> bool:
+    if importlib.util.find_spec("triton") is None or importlib.util.find_spec("triton.backends.nvidia") is None:
+        return False
+    import triton
+
+    return (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas").exists()
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # Triton 3.9 warns when unset; 1 is its default
+    run = subprocess.run([sys.executable, "-c", SCRIPT, json.dumps(CASES)], capture_output=True, text=True,
+                         env=env, timeout=900)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return {tuple(r["case"]): r for r in json.loads(run.stdout.strip().splitlines()[-1])}
+
+
+@pytest.mark.skipif(not _nvidia_backend(), reason="needs Triton's NVIDIA backend (ptxas) to compile for sm_90")
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[4]}h-{c[5]}{c[6]}")
+def test_decode_kernel_compiles_for_sm90(compiled, case):
+    result = compiled[case]
+    assert "error" not in result, result.get("error")
+    assert 0 < result["shared"] <= result["limit"], f"{result['shared']} B of shared memory"
