@@ -1,7 +1,10 @@
 """Compile a decode kernel for sm_90 offline (no GPU needed) and count its SASS, per loop.
 
     PYTHONPATH=src python benchmarks/kernel_sass.py --kernel gluon            # the Gluon INT4/INT4 kernel
-    PYTHONPATH=src python benchmarks/kernel_sass.py --kernel triton --format bf16
+    PYTHONPATH=src python benchmarks/kernel_sass.py --kernel triton --format int8r128/int4 --heads 16
+
+`--kernel triton` compiles the very launch `mla_decode` makes for that cache and head count
+(`quantmla.kernels.offline.compile_decode`); `--const NAME=VALUE` changes one of its constexprs.
 
 Needs a Triton whose NVIDIA backend ships `nvdisasm` and `cuobjdump` (the pip wheels do) and, for
 `--kernel gluon`, `triton.experimental.gluon` (Triton 3.6). Prints registers, stack / local memory, shared
@@ -25,10 +28,10 @@ import tempfile
 MEM_OPS = ("LDG", "LDS", "LDSM", "LDGSTS", "STS", "STSM", "STG", "LDL", "STL", "HGMMA", "LDC", "ATOMS")
 
 
-def _compile(fn, ptrs, consts, *, gluon_kernel, num_warps=4, num_stages=2, floats=()):
+def _compile_gluon(fn, ptrs, consts, *, num_warps, num_stages=2, floats=()):
     import triton
     from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
+    from triton.experimental.gluon._runtime import GluonASTSource
 
     sig, cx, attrs = {}, {}, {}
     for i, n in enumerate(fn.arg_names):
@@ -41,14 +44,8 @@ def _compile(fn, ptrs, consts, *, gluon_kernel, num_warps=4, num_stages=2, float
             sig[n] = "fp32"
         else:
             sig[n] = "i32"
-    if gluon_kernel:
-        from triton.experimental.gluon._runtime import GluonASTSource
-
-        src = GluonASTSource(fn, sig, cx, attrs)
-    else:
-        src = ASTSource(fn, sig, cx, attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 64), options=dict(num_warps=num_warps,
-                                                                               num_stages=num_stages))
+    return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 64),
+                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def _tool(name):
@@ -142,31 +139,19 @@ def _gluon(args):
     for name in (p.name for p in fn.params if p.is_constexpr):
         if name not in consts:
             sys.exit(f"kernel constexpr {name} unknown to this script: give it with --const {name}=VALUE")
-    return _compile(fn, ptrs, consts, gluon_kernel=True, num_warps=mg.NUM_WARPS, floats=("qk_scale",))
+    return _compile_gluon(fn, ptrs, consts, num_warps=mg.NUM_WARPS, floats=("qk_scale",))
 
 
 def _triton(args):
-    import importlib
+    """The launch `mla_decode` makes for --format at --heads (`quantmla.kernels.offline`), --const applied."""
+    from quantmla.cache.paged import PagedMLACache
+    from quantmla.config import CacheConfig
+    from quantmla.kernels.offline import compile_decode
 
-    md = importlib.import_module("quantmla.kernels.mla_decode")  # the package's `mla_decode` is the function
-
-    q = args.format != "bf16"
-    cd = "u8" if q else "bf16"
-    sd = "fp16" if q else "bf16"
-    ptrs = dict(qn_ptr="bf16", qp_ptr="bf16", cc_ptr=cd, cs_ptr=sd, cz_ptr=sd, rc_ptr=cd, rs_ptr=sd, rz_ptr=sd,
-                pc_ptr="bf16", pr_ptr="bf16", bt_ptr="i32", lens_ptr="i32", slots_ptr="i32", o_ptr="fp32",
-                lse_ptr="fp32")
-    K = 2 if q else 0
-    consts = dict(DC=512, DR=64, C_KIND=K, C_BITS=4 if K else 16, C_GROUP=64 if K else 512, C_SCALED=bool(K),
-                  C_ROW=256 if K else 512, C_SZ_ROW=8 if K else 0, R_KIND=K, R_BITS=4 if K else 16,
-                  R_GROUP=64, R_SCALED=bool(K), R_ROW=32 if K else 64, R_SZ_ROW=1 if K else 0, C_BLK=1, R_BLK=1,
-                  PAGE=args.page, SINK=args.sink, RECENT=args.recent, C_RING=args.recent, R_RING=args.recent,
-                  BLOCK_H=16, BLOCK_N=64, S_T=False, V_T=False, USE_ASM=True, F32_DOT=False,
-                  C_NGS=8 if K else 1, R_NGS=1, DCB=512)
-    if args.format == "int8r128/int4":  # the body tiles 128 channels wide (DCB; --const DCB=512: all of them)
-        consts.update(C_BITS=8, C_ROW=128, C_SZ_ROW=2, C_NGS=2, DCB=128)
-    consts.update(args.const)
-    return _compile(md._mla_decode_kernel, ptrs, consts, gluon_kernel=False, floats=("qk_scale",))
+    content, _, rope = args.format.partition("/")
+    config = CacheConfig(content, rope or content, sink=args.sink, recent=args.recent)
+    cache = PagedMLACache.allocate(config, 512, 64, 4, 2, block_size=args.page)
+    return compile_decode(cache, args.heads, overrides=args.const)
 
 
 def _const(s):
@@ -180,8 +165,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--kernel", choices=("triton", "gluon"), default="gluon")
-    ap.add_argument("--format", choices=("bf16", "int4/int4", "int8r128/int4"), default="int4/int4",
-                    help="cache format (--kernel triton only; the Gluon kernel is INT4/INT4)")
+    ap.add_argument("--format", default="int4/int4",
+                    help="cache format CONTENT/ROPE, e.g. bf16, int4/int4, int8r128/int4 (--kernel triton only; the "
+                    "Gluon kernel is INT4/INT4)")
+    ap.add_argument("--heads", type=int, default=16, help="query heads (--kernel triton: picks the launch config)")
     ap.add_argument("--stages", type=int, default=3, help="Gluon codes-ring depth (STAGES)")
     ap.add_argument("--prot-gather", action="store_true", help="Gluon PROT_VEC=False (the old protected loads)")
     ap.add_argument("--no-prefetch", action="store_true", help="Gluon PROT_PREFETCH=False")

@@ -24,10 +24,11 @@ _DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32",
 
 
 def compile_decode(cache: PagedMLACache, num_heads: int, config: KernelConfig | None = None, *,
-                   capability: int = 90, num_splits: int = 2):
+                   capability: int = 90, num_splits: int = 2, overrides: dict | None = None):
     """Compile `_mla_decode_kernel` for `cache` (any device; only its layout and dtypes matter) and
-    `num_heads` heads with `config` (default: `default_config`, as `mla_decode` picks) for sm_`capability`.
-    Returns Triton's compiled kernel (`.metadata.shared` bytes of shared memory, `.asm['ptx']`, ...); raises
+    `num_heads` heads with `config` (default: `default_config`, as `mla_decode` picks) for sm_`capability`;
+    `overrides` replaces constexprs by name (experiments: `benchmarks/kernel_sass.py --const`).
+    Returns Triton's compiled kernel (`.metadata.shared` bytes of shared memory, `.asm['cubin']`, ...); raises
     Triton's CompilationError where the compiler refuses the kernel."""
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
         raise RuntimeError("compile_decode needs a process without TRITON_INTERPRET=1")
@@ -61,5 +62,9 @@ def compile_decode(cache: PagedMLACache, num_heads: int, config: KernelConfig | 
             signature[param.name], aligned = "i32", arg % 16 == 0
         if aligned:
             attrs[(i,)] = [["tt.divisibility", 16]]
+    unknown = set(overrides or {}) - set(constexprs)
+    if unknown:
+        raise ValueError(f"not constexprs of the decode kernel: {', '.join(sorted(unknown))}")
+    constexprs.update(overrides or {})
     source = ASTSource(_mla_decode_kernel, signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", capability, 64), options=launch.options)
