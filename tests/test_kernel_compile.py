@@ -27,6 +27,8 @@ CASES = [
     ("int4", "int4:t64", 512, 64, 16, None, None),
     ("int4", "int4", 256, 32, 16, None, None),  # MiniCPM3's dims
     ("int8r256", "int4", 512, 64, 128, None, None),
+    ("int4:t64", "int4:t64", 512, 64, 16, None, None),  # token-axis content: one stage (default_config)
+    ("int4", "int4:t64", 512, 64, 128, None, None),  # token-axis RoPE at many heads: likewise
     *(("int8r128", "int4", 512, 64, 16, s, v) for s in (False, True) for v in (False, True)),
 ]
 

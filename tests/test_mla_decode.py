@@ -412,9 +412,9 @@ def test_kernel_orientations(scores_t, values_t):
     check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.07))
 
 
-# Measured on an H200 (triton 3.6): a token-axis content path, and a token-axis RoPE path at 128 heads, need more
-# shared memory than the default launch configs have; the launcher says so (a ValueError naming the format).
-TOKEN_SMEM = pytest.mark.xfail(raises=ValueError, strict=False, reason="token-axis tiles exceed shared memory")
+# Token-axis paths: a token-axis content path, or a token-axis RoPE path at 128 heads, ran out of shared memory
+# on the H200 with two pipeline stages (the launcher refused them); default_config gives them one stage, which
+# fits (tests/test_kernel_compile.py, offline). These GPU cases check that they launch and are right.
 GPU_CASES = [
     ("bf16", "bf16", True),
     ("int4", "int4", True),
@@ -424,8 +424,9 @@ GPU_CASES = [
     ("int4", "int4:t64", True),  # token-axis (KIVI) rope: per-channel scales per block of 64 tokens
     ("int8r128", "int4", True),  # ranked content: the PTX path with the unstored groups masked to 0
     ("int4r256", "int4", True),
-    *(pytest.param(*case, marks=TOKEN_SMEM) for case in [("int4:t64", "int4:t64", True),
-                                                         ("int2:t64", "int4:t64", True), ("int2:t64", "int4", False)]),
+    ("int4:t64", "int4:t64", True),
+    ("int2:t64", "int4:t64", True),
+    ("int2:t64", "int4", False),
 ]
 
 
@@ -435,7 +436,7 @@ def test_kernel_gpu_default_configs(content, rope, asm):
     """The launch defaults at serving shapes (page 64, window 4 + 128), both head classes."""
     dc, dr, lens = 512, 64, [0, 1, 131, 133, 195, 196, 197, 700, 4097]  # (token-axis blocks end at 132 + 64 k)
     cache, table, seq_lens, slots, _, _ = fill((content, rope), dc, dr, lens, page=64, recent=128)
-    for H in (16, 128) if cache.rope.block == 1 else (16,):  # 128 heads: see TOKEN_SMEM
+    for H in (16, 128):
         qn, qp = (q.bfloat16() for q in queries(len(lens), H, dc, dr))
         cfg = replace(default_config(cache, H), asm=asm)
         out, lse = mla_decode(qn, qp, cache, table, seq_lens, slots, 0.05, config=cfg)
@@ -443,7 +444,6 @@ def test_kernel_gpu_default_configs(content, rope, asm):
 
 
 @pytest.mark.skipif(not GPU, reason="needs a GPU")
-@TOKEN_SMEM
 def test_kernel_gpu_token_axis_rope_at_128_heads():
     dc, dr, lens = 512, 64, [0, 131, 196, 700, 4097]
     cache, table, seq_lens, slots, _, _ = fill(("int4", "int4:t64"), dc, dr, lens, page=64, recent=128)

@@ -149,12 +149,18 @@ class KernelConfig:
 
 def default_config(cache: PagedMLACache, num_heads: int) -> KernelConfig:
     """Launch defaults: the fastest candidates of benchmarks/decode_kernel.py on an H200 at B=16, 64K
-    (benchmarks/results/decode_kernel.md)."""
+    (benchmarks/results/decode_kernel.md). A token-axis content path, or a token-axis RoPE path at many
+    heads, gets no software pipelining (num_stages 1): pipelined, its scale and zero rows per token need
+    258-313 KB of shared memory, more than an H100/H200 block has (measured on the H200,
+    decode_kernel_formats.md; the same figures from `kernels.offline`, which puts these launches at 92-147 KB
+    with one stage). Not yet timed on a GPU; before, the launcher refused them."""
+    content_t, rope_t = cache.content.block > 1, cache.rope.block > 1
     if num_heads <= 16:
         if cache.content.fmt.kind == "fp8":
             return KernelConfig(block_h=16, block_n=32, num_warps=4, num_stages=3, ctas_per_sm=2)
-        return KernelConfig(block_h=16, block_n=64, num_warps=4, num_stages=2, ctas_per_sm=2)
-    return KernelConfig(block_h=64, block_n=64, num_warps=8, num_stages=2, ctas_per_sm=1)
+        return KernelConfig(block_h=16, block_n=64, num_warps=4, num_stages=1 if content_t else 2, ctas_per_sm=2)
+    return KernelConfig(block_h=64, block_n=64, num_warps=8, num_stages=1 if content_t or rope_t else 2,
+                        ctas_per_sm=1)
 
 
 def _int_dequant_ptx(bits: int, code: int | None = None) -> str:
@@ -789,9 +795,9 @@ def mla_decode(
         token = [f"{name} {p.fmt}" for name, p in (("content", cache.content), ("rope", cache.rope)) if p.block > 1]
         if not token:
             raise
-        # Measured on an H200 (benchmarks/results/decode_kernel_formats.md): a token-axis tile loads one
-        # scale and zero row per token, which the default launch configs cannot stage in shared memory for a
-        # content path, nor at 128 heads for a RoPE path.
+        # A token-axis tile loads one scale and zero row per token: with two pipeline stages a content path,
+        # or a RoPE path at 128 heads, did not fit an H200's shared memory (decode_kernel_formats.md); with
+        # default_config's one stage they fit there, but a GPU with less shared memory per block can refuse.
         raise ValueError(f"the decode kernel cannot launch the token-axis {', '.join(token)} at {H} heads on this "
                          f"GPU ({e}); serve channel-grouped formats here (calibrate without --token-axis)") from e
     out, lse, part_o, part_lse = launch.outputs
