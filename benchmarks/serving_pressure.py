@@ -811,7 +811,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a 2-layer model and small loads")
     ap.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
-    ap.add_argument("--formats", default=",".join(FORMATS), help=f"headline rows: {', '.join(FORMATS)} or any quantmla CONTENT/ROPE pair")
+    ap.add_argument("--formats", default=",".join(FORMATS),
+                    help=f"headline rows: {', '.join(FORMATS)} or any quantmla CONTENT/ROPE pair")
     ap.add_argument("--requests", type=int)
     ap.add_argument("--prompt-len", type=int)
     ap.add_argument("--output-len", type=int)

@@ -1,9 +1,10 @@
-"""The Triton decode kernel compiles for Hopper (sm_90) on this CPU machine, through `kernels.offline`.
+"""The Triton decode kernel and the fused decode writer compile for Hopper (sm_90) on this CPU machine,
+through `kernels.offline`.
 
 The interpreter runs the kernel as plain Python, so code the real compiler refuses passes every other CPU
-test: on 2026-12-01 the ranked body's orientation helpers (two returns of different shapes) passed the
-interpreter tests and failed to compile on the H200. These cases compile the launches `mla_decode` makes,
-in a subprocess without TRITON_INTERPRET, and check each fits the H100/H200's shared memory.
+test: the ranked body's orientation helpers of 2026-12-01 (two returns of different shapes) passed the
+interpreter tests and failed to compile on the H200 the next day. These cases compile the launches `mla_decode` makes,
+and the writer's, in a subprocess without TRITON_INTERPRET, and check each fits the H100/H200's shared memory.
 """
 
 import importlib.util
@@ -31,6 +32,10 @@ CASES = [
     ("int4", "int4:t64", 512, 64, 128, None, None),  # token-axis RoPE at many heads: likewise
     *(("int8r128", "int4", 512, 64, 16, s, v) for s in (False, True) for v in (False, True)),
 ]
+# The fused decode writer, per layout it writes (heads and orientation do not apply: "writer").
+CASES += [(c, r, dc, dr, "writer", None, None) for c, r, dc, dr in [
+    ("int4", "int4", 512, 64), ("int2c0.9", "int4:32", 512, 64), ("fp8", "bf16", 512, 64), ("bf16", "bf16", 512, 64),
+    ("fp8:0", "fp8:0", 512, 64), ("int8r128", "int4", 512, 64), ("int4", "int4", 256, 32)]]
 
 SCRIPT = r"""
 import json, sys
@@ -41,11 +46,14 @@ def one(case):
     from quantmla.cache.paged import PagedMLACache
     from quantmla.config import CacheConfig
     from quantmla.kernels.mla_decode import default_config
-    from quantmla.kernels.offline import SHARED_LIMIT, compile_decode
+    from quantmla.kernels.offline import SHARED_LIMIT, compile_decode, compile_writer
     content, rope, dc, dr, heads, s_t, v_t = case
     try:
         config = CacheConfig(content, rope, sink=4, recent=128).fit(dc, dr)
         cache = PagedMLACache.allocate(config, dc, dr, 4, 2, block_size=64)
+        if heads == "writer":
+            k = compile_writer(cache, capability=90)
+            return {"case": case, "shared": k.metadata.shared, "limit": SHARED_LIMIT[90]}
         cfg = default_config(cache, heads)
         if s_t is not None:
             cfg = replace(cfg, scores_t=s_t, values_t=v_t)
@@ -81,8 +89,10 @@ def compiled():
 
 
 @pytest.mark.skipif(not _nvidia_backend(), reason="needs Triton's NVIDIA backend (ptxas) to compile for sm_90")
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[4]}h-{c[5]}{c[6]}")
-def test_decode_kernel_compiles_for_sm90(compiled, case):
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[4]}-{c[5]}{c[6]}")
+def test_kernels_compile_for_sm90(compiled, case):
     result = compiled[case]
     assert "error" not in result, result.get("error")
-    assert 0 < result["shared"] <= result["limit"], f"{result['shared']} B of shared memory"
+    assert result["shared"] <= result["limit"], f"{result['shared']} B of shared memory"
+    if case[4] != "writer":  # the decode kernel stages its tiles in shared memory; the writer need not
+        assert result["shared"] > 0

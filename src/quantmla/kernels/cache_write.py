@@ -55,7 +55,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 from quantmla.cache.paged import PagedMLACache
-from quantmla.kernels.mla_decode import _interpreting, _path_args
+from quantmla.kernels.mla_decode import Launch, _interpreting, _path_args
 from quantmla.quant.formats import FP8_MAX
 
 if triton is not None:
@@ -218,6 +218,14 @@ def _clip_args(fmt) -> tuple[float, float]:
     return float(fmt.clip), (1 - fmt.clip) / 2
 
 
+def fused_writes(cache: PagedMLACache) -> bool:
+    """Whether the kernel writes this cache's layout: no token-axis path (the kernel does not write blocks),
+    no ranked RoPE path, and a ranked content path only of a power-of-two rank."""
+    token_axis = cache.content.block > 1 or cache.rope.block > 1
+    cq = cache.content.fmt.stored(cache.kv_lora_rank)
+    return not (token_axis or cache.rope.fmt.rank or cq & (cq - 1))
+
+
 def append_decode_fused(
     cache: PagedMLACache,
     slots: torch.Tensor,
@@ -231,10 +239,7 @@ def append_decode_fused(
     (see the module docstring). checked=True, CPU tensors outside TRITON_INTERPRET=1, or a cache with a
     token-axis path (whose blocks the kernel does not write) or a ranked path other than a content path of a
     power-of-two rank run the torch writer."""
-    token_axis = cache.content.block > 1 or cache.rope.block > 1
-    cq = cache.content.fmt.stored(cache.kv_lora_rank)
-    ranked = cache.rope.fmt.rank or cq & (cq - 1)
-    if checked or token_axis or ranked or triton is None or not (c.is_cuda or _interpreting()):
+    if checked or not fused_writes(cache) or triton is None or not (c.is_cuda or _interpreting()):
         cache.append_decode(slots, block_tables, seq_lens, c, k_pe, checked=checked)
         return
     B = c.shape[0]
@@ -242,16 +247,23 @@ def append_decode_fused(
         raise ValueError(f"c {tuple(c.shape)} / k_pe {tuple(k_pe.shape)} do not match the cache")
     if B == 0:
         return
+    launch = writer_launch(cache, slots, block_tables, seq_lens, c, k_pe, on_gpu=c.is_cuda)
+    _append_decode_kernel[launch.grid](*launch.args, **launch.options)
+
+
+def writer_launch(cache: PagedMLACache, slots, block_tables, seq_lens, c, k_pe, *, on_gpu: bool) -> Launch:
+    """The launch `append_decode_fused` makes (arguments as there; on_gpu: the kernel's GPU constexpr), apart
+    from running it, so that `kernels.offline` can compile it for a GPU the machine does not have."""
     c = c if c.stride(-1) == 1 else c.contiguous()
     k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
     c_ptrs, c_const = _path_args(cache.content)
     r_ptrs, r_const = _path_args(cache.rope)
     for t in (*c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope):
         assert t.is_contiguous(), "the pools are allocated contiguous"
-    _append_decode_kernel[(B,)](
-        c, c.stride(0), k_pe, k_pe.stride(0), *c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope,
-        block_tables, block_tables.stride(0), seq_lens, slots,
-        cache.kv_lora_rank, cache.rope_dim, *c_const, *r_const, *_clip_args(cache.content.fmt),
-        *_clip_args(cache.rope.fmt), cache.block_size, cache.sink, cache.recent,
-        c.is_cuda, cq, num_warps=4, enable_fp_fusion=False,  # no fma contraction: torch rounds every step
-    )  # fmt: skip
+    args = (c, c.stride(0), k_pe, k_pe.stride(0), *c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope,
+            block_tables, block_tables.stride(0), seq_lens, slots,
+            cache.kv_lora_rank, cache.rope_dim, *c_const, *r_const, *_clip_args(cache.content.fmt),
+            *_clip_args(cache.rope.fmt), cache.block_size, cache.sink, cache.recent,
+            on_gpu, cache.content.fmt.stored(cache.kv_lora_rank))  # fmt: skip
+    # no fma contraction: torch rounds every step
+    return Launch((c.shape[0],), args, dict(num_warps=4, enable_fp_fusion=False), ())

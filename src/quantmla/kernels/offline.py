@@ -1,7 +1,8 @@
-"""Compile the Triton decode kernel for a GPU this machine does not have (no driver, no device needed).
+"""Compile the Triton decode kernels for a GPU this machine does not have (no driver, no device needed).
 
 `compile_decode` builds the launch `mla_decode` would make for a cache and head count (`triton_launch`, the
-same arguments and constexprs), and compiles it for an NVIDIA target: Triton front end, its passes, ptxas.
+same arguments and constexprs), `compile_writer` the fused writer's (`cache_write.writer_launch`), and
+compiles it for an NVIDIA target: Triton front end, its passes, ptxas.
 What it catches that the interpreter (TRITON_INTERPRET=1, the CPU tests) cannot: code the compiler refuses
 (shapes of different constexpr branches, layouts), and launch configs whose shared memory exceeds the card's.
 It needs a Triton with the NVIDIA backend (the pip wheels ship ptxas) and a process that does not interpret
@@ -30,12 +31,7 @@ def compile_decode(cache: PagedMLACache, num_heads: int, config: KernelConfig | 
     `overrides` replaces constexprs by name (experiments: `benchmarks/kernel_sass.py --const`).
     Returns Triton's compiled kernel (`.metadata.shared` bytes of shared memory, `.asm['cubin']`, ...); raises
     Triton's CompilationError where the compiler refuses the kernel."""
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
-        raise RuntimeError("compile_decode needs a process without TRITON_INTERPRET=1")
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    _compiling_process()
     from quantmla.kernels.mla_decode import _mla_decode_kernel
 
     cfg = config or default_config(cache, num_heads)
@@ -46,10 +42,43 @@ def compile_decode(cache: PagedMLACache, num_heads: int, config: KernelConfig | 
     lens = torch.zeros(1, dtype=torch.int32, device=dev)
     launch = triton_launch(q, qp, cache, table, lens, None, 1.0, cfg, num_splits, torch.float32,
                            asm=cfg.asm, interpreting=False)
-    # Specialize as the JIT does at a launch: 16-byte aligned pointers and integers divisible by 16 are known
-    # to be (the loads vectorize and pipeline on it, which changes the kernel's shared memory).
+    return _compile(_mla_decode_kernel, launch, capability, overrides)
+
+
+def compile_writer(cache: PagedMLACache, *, capability: int = 90):
+    """Compile the fused decode writer (`cache_write._append_decode_kernel`) for `cache`'s layout, as
+    `append_decode_fused` launches it on a GPU, for sm_`capability`. Raises ValueError for a layout the
+    torch writer serves instead (`fused_writes`)."""
+    _compiling_process()
+    from quantmla.kernels.cache_write import _append_decode_kernel, fused_writes, writer_launch
+
+    if not fused_writes(cache):
+        raise ValueError(f"the fused writer does not write {cache.content.fmt}/{cache.rope.fmt} "
+                         "(the torch writer does)")
+    dev = cache.content.codes.device
+    c = torch.zeros(1, cache.kv_lora_rank, dtype=torch.bfloat16, device=dev)
+    k_pe = torch.zeros(1, cache.rope_dim, dtype=torch.bfloat16, device=dev)
+    ints = torch.zeros(1, dtype=torch.int32, device=dev)
+    launch = writer_launch(cache, ints, ints[:, None], ints, c, k_pe, on_gpu=True)
+    return _compile(_append_decode_kernel, launch, capability, None)
+
+
+def _compiling_process() -> None:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        raise RuntimeError("compiling for a GPU needs a process without TRITON_INTERPRET=1 (its kernels are "
+                           "interpreted Python functions there)")
+
+
+def _compile(kernel, launch, capability: int, overrides: dict | None):
+    """Compile `kernel` for `launch`'s arguments, specialized as the JIT specializes them at that launch."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    # 16-byte aligned pointers and integers divisible by 16 are known to be, except for parameters marked
+    # do_not_specialize (the loads vectorize and pipeline on it, which changes the kernel's shared memory).
     signature, constexprs, attrs = {}, {}, {}
-    for i, (param, arg) in enumerate(zip(_mla_decode_kernel.params, launch.args, strict=True)):
+    for i, (param, arg) in enumerate(zip(kernel.params, launch.args, strict=True)):
         if param.is_constexpr:
             signature[param.name], constexprs[param.name] = "constexpr", arg
             continue
@@ -60,11 +89,11 @@ def compile_decode(cache: PagedMLACache, num_heads: int, config: KernelConfig | 
             signature[param.name], aligned = "fp32", False
         else:
             signature[param.name], aligned = "i32", arg % 16 == 0
-        if aligned:
+        if aligned and not getattr(param, "do_not_specialize", False):
             attrs[(i,)] = [["tt.divisibility", 16]]
     unknown = set(overrides or {}) - set(constexprs)
     if unknown:
-        raise ValueError(f"not constexprs of the decode kernel: {', '.join(sorted(unknown))}")
+        raise ValueError(f"not constexprs of the kernel: {', '.join(sorted(unknown))}")
     constexprs.update(overrides or {})
-    source = ASTSource(_mla_decode_kernel, signature, constexprs, attrs)
+    source = ASTSource(kernel, signature, constexprs, attrs)
     return triton.compile(source, target=GPUTarget("cuda", capability, 64), options=launch.options)
