@@ -679,9 +679,9 @@ def num_splits_for(batch: int, num_heads: int, max_seq_len: int, cfg: KernelConf
 
 @dataclass(frozen=True)
 class Launch:
-    """One Triton launch of `_mla_decode_kernel`: grid, positional arguments (tensors, ints, the scale and the
-    constexprs, in the kernel's parameter order), launch options, and (out, lse, part_o, part_lse) of
-    `split_outputs` that it writes."""
+    """One Triton launch: grid, positional arguments (tensors, ints, floats and the constexprs, in the
+    kernel's parameter order), launch options, and the outputs the caller reads afterwards (the decode
+    kernel's (out, lse, part_o, part_lse) of `split_outputs`; none for the cache writer)."""
 
     grid: tuple[int, int, int]
     args: tuple
