@@ -68,6 +68,7 @@ K = KernelConfig
 CANDIDATES = {
     "few": [
         K(16, 64, 4, 2),
+        K(16, 64, 4, 1),  # one stage: what default_config gives token-axis content (shared memory)
         K(16, 64, 4, 2, maxnreg=168),
         K(16, 64, 8, 2, values_t=True),
         K(16, 32, 4, 2, maxnreg=128),
@@ -78,6 +79,7 @@ CANDIDATES = {
     ],
     "many": [
         K(64, 64, 8, 2),
+        K(64, 64, 8, 1),  # likewise for any token-axis path at many heads
         K(64, 32, 8, 3),
         K(32, 64, 8, 2),
         K(16, 64, 4, 2),
