@@ -13,8 +13,6 @@ PROMPTS = [[(7 * i) % 250 + 3 for i in range(n)] for n in (5, 150, 37, 300, 64)]
 
 
 # token-axis: the torch writer; a token-axis content path decodes with one pipeline stage (default_config)
-
-
 @pytest.mark.parametrize("fmts", [("bf16", "bf16"), ("int4", "int4"), ("int2", "int4"), ("fp8", "bf16"),
                                   ("int4", "int4:t64"), ("int8r128", "int4"), ("int2:t64", "int4:t64")])
 def test_cuda_graph_decode_equals_eager(fmts):

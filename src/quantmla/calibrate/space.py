@@ -50,8 +50,9 @@ class SearchSpace:
     """clips: clipping ratios tried per path and layer (1.0: none). token_axis: also KIVI-style blocks of
     `kivi_tokens` tokens at the same bits (opt-in: the engine serves them on the CPU and, at few heads, a
     token-axis RoPE path on the GPU, slowly (benchmarks/results/decode_kernel_formats.md); a token-axis
-    content path and 128 heads with one pipeline stage, not yet run on a GPU; not the vLLM plugin). ranked: on the content path also ranked formats of no more bytes (`ranked_formats`; channel
-    formats, served everywhere; on the GPU only the Triton decode kernel reads them)."""
+    content path and 128 heads with one pipeline stage, not yet run on a GPU; not the vLLM plugin).
+    ranked: on the content path also ranked formats of no more bytes (`ranked_formats`; channel formats,
+    served everywhere; on the GPU only the Triton decode kernel reads them)."""
 
     clips: tuple[float, ...] = CLIPS
     token_axis: bool = False

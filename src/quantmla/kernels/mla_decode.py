@@ -683,7 +683,7 @@ class Launch:
     kernel's parameter order), launch options, and the outputs the caller reads afterwards (the decode
     kernel's (out, lse, part_o, part_lse) of `split_outputs`; none for the cache writer)."""
 
-    grid: tuple[int, int, int]
+    grid: tuple[int, ...]
     args: tuple
     options: dict
     outputs: tuple
@@ -715,7 +715,9 @@ def triton_launch(q_nope_absorbed, q_pe, cache: PagedMLACache, block_tables, seq
             dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
             _stored_groups(cache.content), _stored_groups(cache.rope), _body_channels(cache.content), cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
             cfg.block_h, block_n, cfg.scores_t, cfg.values_t, asm, interpreting)  # fmt: skip
-    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}))
+    options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if cfg.maxnreg:
+        options["maxnreg"] = cfg.maxnreg
     return Launch((triton.cdiv(H, cfg.block_h), num_splits, B), args, options, outputs)
 
 
