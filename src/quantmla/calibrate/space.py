@@ -48,9 +48,9 @@ def ranked_formats(base: QuantFormat, dim: int) -> list[QuantFormat]:
 @dataclass(frozen=True)
 class SearchSpace:
     """clips: clipping ratios tried per path and layer (1.0: none). token_axis: also KIVI-style blocks of
-    `kivi_tokens` tokens at the same bits (opt-in: the engine serves them on the CPU and, at few heads, a
-    token-axis RoPE path on the GPU, slowly (benchmarks/results/decode_kernel_formats.md); a token-axis
-    content path and 128 heads with one pipeline stage, not yet run on a GPU; not the vLLM plugin).
+    `kivi_tokens` tokens at the same bits (opt-in: the engine serves them on the CPU and GPU, but the GPU
+    kernel reads them slowly: a token-axis RoPE path 0.55-0.58x the bf16 kernel, a token-axis content path
+    0.13-0.33x (benchmarks/results/decode_kernel_token_axis.md); not the vLLM plugin).
     ranked: on the content path also ranked formats of no more bytes (`ranked_formats`; channel formats,
     served everywhere; on the GPU only the Triton decode kernel reads them)."""
 
