@@ -39,7 +39,7 @@ from quantmla.config import QuantFormat
 from quantmla.data import resolve_model_dir, tokenizer_for
 from quantmla.eval.baselines import KIVI_TOKENS, RECENT, SINK
 from quantmla.eval.methods import METHODS, MethodArgs, check_method
-from quantmla.eval.suite import EvalSettings, evaluate
+from quantmla.eval.suite import EvalSettings, evaluate, paired_changes
 from quantmla.models import load_model
 
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -174,7 +174,29 @@ def markdown(results: list[dict], meta: dict) -> str:
                      f"{r.get('costs', {}).get('online_flops_per_token', 0) or '-'} | "
                      f"{r['ppl']:.4f} | {r['kl']:.2e} | " + " | ".join(acc) + " |")
     lines += ["", "Needle columns: accuracy in % per task and length."]
+    lines += paired_section(results, bf16, tasks, lengths)
     return "\n".join(lines) + "\n"
+
+
+def paired_section(results: list[dict], bf16: dict, tasks: list[str], lengths: list[int]) -> list[str]:
+    """Sample by sample against the bf16 row, for the rows that kept each needle sample's outcome."""
+    rows = [r for r in results if r is not bf16 and r.get("niah_samples")]
+    if bf16["method"] != "bf16" or not bf16.get("niah_samples") or not rows:
+        return []
+    cols = [f"{t} {n}" for t in tasks for n in lengths]
+    lines = ["", "## Needles sample by sample against BF16", "",
+             "Per cell: samples BF16 answers and the method does not (-), the reverse (+), and the exact two-sided "
+             "McNemar p-value of that split (the chance of one at least this uneven if a change were as likely to "
+             "go either way); with p well above 0.05 the split is what chance alone gives.",
+             "", "| method | content | rope | " + " | ".join(cols) + " |",
+             "| --- | --- | --- |" + " ---: |" * len(cols)]
+    cell = lambda text: text.replace("|", "\\|")  # noqa: E731
+    for r in rows:
+        changes = [paired_changes(bf16["niah_samples"][t][str(n)], r["niah_samples"][t][str(n)])
+                   for t in tasks for n in lengths]
+        lines.append(f"| {r['method']} | {cell(r['content'])} | {cell(r['rope'])} | "
+                     + " | ".join(f"-{lost} +{gained} (p {p:.2g})" for lost, gained, p in changes) + " |")
+    return lines
 
 
 def main(argv=None) -> int:

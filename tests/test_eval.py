@@ -15,7 +15,7 @@ from quantmla.eval import retrieval
 from quantmla.eval.methods import METHODS, MethodArgs, apply_method
 from quantmla.eval.needles import TASKS
 from quantmla.eval.perplexity import ppl_kl, score_window, window_stats
-from quantmla.eval.suite import EvalSettings, evaluate, heldout_windows, measure_bytes_per_token
+from quantmla.eval.suite import EvalSettings, evaluate, heldout_windows, measure_bytes_per_token, paired_changes
 from quantmla.models.tiny import save_tiny_model, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -109,6 +109,17 @@ def test_needle_samples_and_suite_structure(model):
     settings = EvalSettings(tasks=("niah",), lengths=(96, 128), samples=2, progress=False)
     r = evaluate(model, None, "rtn", MethodArgs(recent=32), settings)
     assert set(r.niah) == set(TASKS) and all(set(v) == {96, 128} for v in r.niah.values())
+    for task, by_length in r.niah_samples.items():  # each sample's outcome, consistent with the accuracy
+        assert all(len(o) == 2 and o.count("1") / 2 == r.niah[task][n] for n, o in by_length.items())
+
+
+def test_paired_changes_count_both_directions_with_an_exact_p():
+    assert paired_changes("110010", "101011") == (1, 2, 1.0)
+    assert paired_changes("1" * 10, "0" * 10) == (10, 0, 2 / 1024)  # 10 of 10 one way: 2 * 0.5**10
+    assert paired_changes("1" * 8 + "0" * 2, "0" * 8 + "1" * 2)[2] == pytest.approx(2 * 56 / 1024)
+    assert paired_changes("01", "01") == (0, 0, 1.0)
+    with pytest.raises(ValueError, match="not the same samples"):
+        paired_changes("1", "10")
 
 
 @pytest.fixture(scope="module")

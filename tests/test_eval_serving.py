@@ -163,3 +163,4 @@ def test_teacher_forced_needles_are_greedy_generation(default_model, config, exp
     forced = [retrieval.accuracy(model, config, codec, [s]) == 1.0 for s in samples]
     assert forced == greedy == expected
     assert retrieval.accuracy(model, config, codec, samples, batch=8) == sum(expected) / 8  # batched alike
+    assert retrieval.outcomes(model, config, codec, samples, batch=3) == expected  # in sample order, batched

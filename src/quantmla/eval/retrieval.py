@@ -72,34 +72,41 @@ def answer_correct(predicted: list[int], answer: list[int], eos: set[int], final
     return predicted[-1] == answer[-1] or (final_newline and predicted[-1] in eos)
 
 
+def outcomes(model, config: CacheConfig, codec: Codec, samples: list[NeedleSample], batch: int = 8,
+             progress: bool = False, desc: str = "niah") -> list[bool]:
+    """Per sample, in the order given: answered exactly (teacher-forced, see the module docstring). Samples
+    are batched only with others fed as many tokens, so no padding enters any window."""
+    eos = eos_ids(model)
+    groups: dict[int, list[tuple[int, list[int], list[int], NeedleSample]]] = {}
+    for i, s in enumerate(samples):
+        prompt, answer = codec.encode_prompt(s.prompt), codec.encode_answer(s.answer)
+        groups.setdefault(len(prompt) + len(answer) - 1, []).append((i, prompt, answer, s))
+    batches = [g[i:i + batch] for g in groups.values() for i in range(0, len(g), batch)]
+    correct = [False] * len(samples)
+    for chunk in tqdm(batches, desc=desc, disable=not progress, leave=False):
+        ids = torch.tensor([prompt + answer[:-1] for _, prompt, answer, _ in chunk])
+        keep = max(len(answer) for _, _, answer, _ in chunk)
+        predicted = serving_logits(model, ids, config, keep).argmax(-1).tolist()  # [B, keep]
+        for row, (i, _, answer, s) in zip(predicted, chunk):
+            newline = s.answer.endswith("\n") and codec.decode(answer[-1:]) == "\n"
+            correct[i] = bool(answer_correct(row[keep - len(answer):], answer, eos, newline))
+    return correct
+
+
 def accuracy(model, config: CacheConfig, codec: Codec, samples: list[NeedleSample], batch: int = 8,
              progress: bool = False, desc: str = "niah") -> float:
-    """Fraction of samples answered exactly (teacher-forced, see the module docstring). Samples are batched
-    only with others fed as many tokens, so no padding enters any window."""
-    eos = eos_ids(model)
-    groups: dict[int, list[tuple[list[int], list[int], NeedleSample]]] = {}
-    for s in samples:
-        prompt, answer = codec.encode_prompt(s.prompt), codec.encode_answer(s.answer)
-        groups.setdefault(len(prompt) + len(answer) - 1, []).append((prompt, answer, s))
-    batches = [g[i:i + batch] for g in groups.values() for i in range(0, len(g), batch)]
-    correct = 0
-    for chunk in tqdm(batches, desc=desc, disable=not progress, leave=False):
-        ids = torch.tensor([prompt + answer[:-1] for prompt, answer, _ in chunk])
-        keep = max(len(answer) for _, answer, _ in chunk)
-        predicted = serving_logits(model, ids, config, keep).argmax(-1).tolist()  # [B, keep]
-        for row, (_, answer, s) in zip(predicted, chunk):
-            newline = s.answer.endswith("\n") and codec.decode(answer[-1:]) == "\n"
-            correct += answer_correct(row[keep - len(answer):], answer, eos, newline)
-    return correct / len(samples)
+    """Fraction of samples answered exactly (`outcomes`)."""
+    return sum(outcomes(model, config, codec, samples, batch, progress, desc)) / len(samples)
 
 
 def niah(model, config: CacheConfig, codec: Codec, lengths: list[int], count: int, seed: int = 0,
-         filler: str | None = None, batch: int = 8, progress: bool = True) -> dict[str, dict[int, float]]:
-    """Accuracy per task per length under serving semantics for `config`: {task: {length: accuracy}}."""
-    out: dict[str, dict[int, float]] = {}
+         filler: str | None = None, batch: int = 8, progress: bool = True) -> dict[str, dict[int, list[bool]]]:
+    """Per task per length, each sample's outcome under serving semantics for `config` (`outcomes`; the same
+    samples for every config, so two configs compare sample by sample): {task: {length: [bool] * count}}."""
+    out: dict[str, dict[int, list[bool]]] = {}
     for task in TASKS:
         out[task] = {}
         for length in lengths:
             samples = samples_for(task, length, count, seed, filler)
-            out[task][length] = accuracy(model, config, codec, samples, batch, progress, f"niah {task} {length}")
+            out[task][length] = outcomes(model, config, codec, samples, batch, progress, f"niah {task} {length}")
     return out

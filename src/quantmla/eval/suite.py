@@ -15,6 +15,7 @@ rounding too).
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -77,6 +78,9 @@ class EvalResult:
     ppl_bf16: float | None = None
     kl: float | None = None
     niah: dict[str, dict[int, float]] = field(default_factory=dict)
+    # Each needle sample's outcome, "1" right / "0" wrong, in sample order (the same samples for every method,
+    # so rows compare sample by sample: `paired_changes`).
+    niah_samples: dict[str, dict[int, str]] = field(default_factory=dict)
     settings: dict = field(default_factory=dict)
     costs: dict = field(default_factory=dict)  # run-time work besides cache bytes (e.g. an online rotation)
     seconds: float = 0.0
@@ -163,7 +167,24 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
     if "niah" in settings.tasks:
         codec = retrieval.Codec(tokenizer, model.config.vocab_size)
         filler = read_text(text_path, "heldout.txt")  # held-out text, as the trainer's own needle evaluation
-        result.niah = retrieval.niah(test_model, config, codec, list(settings.lengths), settings.samples,
-                                     settings.seed, filler, settings.batch, settings.progress)
+        per_sample = retrieval.niah(test_model, config, codec, list(settings.lengths), settings.samples,
+                                    settings.seed, filler, settings.batch, settings.progress)
+        result.niah = {t: {n: sum(o) / len(o) for n, o in by_n.items()} for t, by_n in per_sample.items()}
+        result.niah_samples = {t: {n: "".join("01"[x] for x in o) for n, o in by_n.items()}
+                               for t, by_n in per_sample.items()}
     result.seconds = time.perf_counter() - t0
     return result
+
+
+def paired_changes(reference: str, other: str) -> tuple[int, int, float]:
+    """Two methods' needle outcomes on the same samples ("1"/"0" strings, `EvalResult.niah_samples`):
+    (lost: right in `reference`, wrong in `other`; gained: the reverse; p: exact two-sided McNemar p-value,
+    the chance of a split at least this uneven among lost + gained changes if either direction were as
+    likely)."""
+    if len(reference) != len(other):
+        raise ValueError(f"outcomes of {len(reference)} and {len(other)} samples: not the same samples")
+    lost = sum(a == "1" and b == "0" for a, b in zip(reference, other))
+    gained = sum(a == "0" and b == "1" for a, b in zip(reference, other))
+    n, k = lost + gained, min(lost, gained)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2**n) if n else 1.0
+    return lost, gained, p
