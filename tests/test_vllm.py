@@ -220,16 +220,24 @@ def _engine_main(model_dir: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
-def _run_engine(tmp: Path, name: str, model_dir: Path, env: dict, timeout: int = 480
-                ) -> tuple[subprocess.CompletedProcess, dict]:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env}
-    env.pop("TRITON_INTERPRET", None)  # the test suite's setting for quantmla's kernels, not vLLM's
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    out = tmp / f"{name}.json"
-    proc = subprocess.run([sys.executable, __file__, str(model_dir), str(out)], env=env, capture_output=True, text=True,
-                          timeout=timeout, cwd=tmp)
-    (tmp / f"{name}.log").write_text(proc.stdout + proc.stderr)
-    return proc, (json.loads(out.read_text()) if out.exists() else {})
+def _run_engines(tmp: Path, jobs: dict[str, tuple[Path, dict]], timeout: int = 600) -> dict[str, tuple[int, str, dict]]:
+    """Run `_engine_main` for each job {name: (model_dir, env)}, all at once (each is mostly vLLM's start-up,
+    which one core runs as fast as two): {name: (returncode, log, result)}."""
+    procs = {}
+    for name, (model_dir, env) in jobs.items():
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env}
+        env.pop("TRITON_INTERPRET", None)  # the test suite's setting for quantmla's kernels, not vLLM's
+        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+        log = open(tmp / f"{name}.log", "w")
+        procs[name] = (subprocess.Popen([sys.executable, __file__, str(model_dir), str(tmp / f"{name}.json")],
+                                        env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=tmp), log)
+    out = {}
+    for name, (proc, log) in procs.items():
+        rc = proc.wait(timeout=timeout)
+        log.close()
+        result = tmp / f"{name}.json"
+        out[name] = (rc, (tmp / f"{name}.log").read_text(), json.loads(result.read_text()) if result.exists() else {})
+    return out
 
 
 def _kv_tokens(log: str) -> int:
@@ -259,12 +267,12 @@ def runs(tmp_path_factory):
     (sectioned / "config.json").write_text(json.dumps(config, indent=1))
     configs = {"vllm": (MODEL_DIR, {"VLLM_PLUGINS": ""}), "bf16": (MODEL_DIR, {settings.ENV: "bf16"}),
                "int4": (sectioned, {})}
+    # Each run's environment has only what the test sets for quantmla.
+    jobs = {name: (model_dir, {settings.ENV: "", **env}) for name, (model_dir, env) in configs.items()}
     got = {}
-    for name, (model_dir, env) in configs.items():
-        env = {settings.ENV: "", **env}  # only what the test sets
-        proc, result = _run_engine(tmp, name, model_dir, env)
-        assert proc.returncode == 0 and result, f"{name}: vLLM failed:\n{(proc.stdout + proc.stderr)[-4000:]}"
-        got[name] = {**result, "kv_tokens": _kv_tokens(proc.stdout + proc.stderr), "log": proc.stdout + proc.stderr}
+    for name, (rc, log, result) in _run_engines(tmp, jobs).items():
+        assert rc == 0 and result, f"{name}: vLLM failed:\n{log[-4000:]}"
+        got[name] = {**result, "kv_tokens": _kv_tokens(log), "log": log}
     return got
 
 
