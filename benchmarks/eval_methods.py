@@ -127,6 +127,11 @@ def protocol(s: dict) -> list[str]:
             f"final newline); seed {s['seed']}, the same samples for every method."]
 
 
+def _cell(text: str) -> str:
+    """A table cell: per-layer formats are joined by '|'."""
+    return text.replace("|", "\\|")
+
+
 def markdown(results: list[dict], meta: dict) -> str:
     s = meta["settings"]
     lengths = s["lengths"]
@@ -164,10 +169,9 @@ def markdown(results: list[dict], meta: dict) -> str:
         "| online FLOPs/token | ppl | KL | " + " | ".join(cols) + " |",
         "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(cols),
     ]
-    cell = lambda text: text.replace("|", "\\|")  # noqa: E731  (per-layer formats are joined by '|')
     for r in results:
         acc = [f"{100 * r['niah'][t][str(n)]:.1f}" for t in tasks for n in lengths]
-        lines.append(f"| {r['method']} | {cell(r['content'])} | {cell(r['rope'])} | {r['sink']}+{r['recent']} | "
+        lines.append(f"| {r['method']} | {_cell(r['content'])} | {_cell(r['rope'])} | {r['sink']}+{r['recent']} | "
                      f"{r['bytes_per_token']:.1f} | {r['percent_of_bf16']:.1f} | "
                      f"{r.get('bytes_per_token_long', 0):.1f} | {r.get('percent_of_bf16_long', 0):.2f} | "
                      f"{r['bytes_per_token_body']:g} | "
@@ -190,11 +194,10 @@ def paired_section(results: list[dict], bf16: dict, tasks: list[str], lengths: l
              "go either way); with p well above 0.05 the split is what chance alone gives.",
              "", "| method | content | rope | " + " | ".join(cols) + " |",
              "| --- | --- | --- |" + " ---: |" * len(cols)]
-    cell = lambda text: text.replace("|", "\\|")  # noqa: E731
     for r in rows:
         changes = [paired_changes(bf16["niah_samples"][t][str(n)], r["niah_samples"][t][str(n)])
                    for t in tasks for n in lengths]
-        lines.append(f"| {r['method']} | {cell(r['content'])} | {cell(r['rope'])} | "
+        lines.append(f"| {r['method']} | {_cell(r['content'])} | {_cell(r['rope'])} | "
                      + " | ".join(f"-{lost} +{gained} (p {p:.2g})" for lost, gained, p in changes) + " |")
     return lines
 

@@ -220,24 +220,34 @@ def _engine_main(model_dir: str, out_path: str) -> None:
     Path(out_path).write_text(json.dumps(result))
 
 
+def _vllm_env(env: dict) -> dict:
+    """The environment of a vLLM child process: this one's, plus `env`, with quantmla's sources importable."""
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env}
+    env.pop("TRITON_INTERPRET", None)  # the test suite's setting for quantmla's kernels, not vLLM's
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    return env
+
+
 def _run_engines(tmp: Path, jobs: dict[str, tuple[Path, dict]], timeout: int = 600) -> dict[str, tuple[int, str, dict]]:
     """Run `_engine_main` for each job {name: (model_dir, env)}, all at once (each is mostly vLLM's start-up,
-    which one core runs as fast as two): {name: (returncode, log, result)}."""
+    so they overlap well): {name: (returncode, log, result)}."""
     procs = {}
-    for name, (model_dir, env) in jobs.items():
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env}
-        env.pop("TRITON_INTERPRET", None)  # the test suite's setting for quantmla's kernels, not vLLM's
-        env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-        log = open(tmp / f"{name}.log", "w")
-        procs[name] = (subprocess.Popen([sys.executable, __file__, str(model_dir), str(tmp / f"{name}.json")],
-                                        env=env, stdout=log, stderr=subprocess.STDOUT, text=True, cwd=tmp), log)
-    out = {}
-    for name, (proc, log) in procs.items():
-        rc = proc.wait(timeout=timeout)
-        log.close()
-        result = tmp / f"{name}.json"
-        out[name] = (rc, (tmp / f"{name}.log").read_text(), json.loads(result.read_text()) if result.exists() else {})
-    return out
+    try:
+        for name, (model_dir, env) in jobs.items():
+            with open(tmp / f"{name}.log", "w") as log:  # the child keeps its own copy of the descriptor
+                procs[name] = subprocess.Popen([sys.executable, __file__, str(model_dir), str(tmp / f"{name}.json")],
+                                               env=_vllm_env(env), stdout=log, stderr=subprocess.STDOUT, cwd=tmp)
+        out = {}
+        for name, proc in procs.items():
+            rc = proc.wait(timeout=timeout)
+            result = tmp / f"{name}.json"
+            out[name] = (rc, (tmp / f"{name}.log").read_text(),
+                         json.loads(result.read_text()) if result.exists() else {})
+        return out
+    finally:
+        for proc in procs.values():  # none left running after a timeout or a failed start
+            if proc.poll() is None:
+                proc.kill()
 
 
 def _kv_tokens(log: str) -> int:
@@ -386,10 +396,7 @@ def _load_main(model_dir: str) -> None:
 
 
 def _start(tmp: Path, model_dir: Path, env: dict) -> str:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env}
-    env.pop("TRITON_INTERPRET", None)
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__, "--load", str(model_dir)], env=env, capture_output=True,
+    proc = subprocess.run([sys.executable, __file__, "--load", str(model_dir)], env=_vllm_env(env), capture_output=True,
                           text=True, timeout=300, cwd=tmp)
     assert proc.returncode != 0, "vLLM started a model quantmla cannot serve"
     return proc.stdout + proc.stderr
