@@ -225,16 +225,31 @@ class ChunkRows:
 
 @dataclass
 class ChunkView:
-    """What a prefill chunk's attention reads, in `view_dtype`: the cache as served after the chunk, c [end,
-    dc] and k_pe [end, dr] in position order (quantized positions dequantized), and `band_c` / `band_r`, the
-    BF16 values of each path's band [band_start, Q) (`ChunkRows`, that path's): quantized in the served
-    cache, but maybe still unquantized for some of the chunk's queries (as stored in the ring: rounded to
-    the protected rows' dtype)."""
+    """What a prefill chunk's attention reads, in `view_dtype`, one tensor per path: `content` [end + band,
+    dc] and `rope` [end + band, dr] hold the cache as served after the chunk in position order (quantized
+    positions dequantized), then that path's band [band_start, Q) (`ChunkRows`, that path's) in BF16:
+    quantized in the served cache, but maybe still unquantized for some of the chunk's queries (as stored in
+    the ring: rounded to the protected rows' dtype). One tensor, so that one gather reads both."""
 
-    c: torch.Tensor
-    k_pe: torch.Tensor
-    band_c: torch.Tensor
-    band_r: torch.Tensor
+    content: torch.Tensor
+    rope: torch.Tensor
+    end: int
+
+    @property
+    def c(self) -> torch.Tensor:
+        return self.content[: self.end]
+
+    @property
+    def k_pe(self) -> torch.Tensor:
+        return self.rope[: self.end]
+
+    @property
+    def band_c(self) -> torch.Tensor:
+        return self.content[self.end :]
+
+    @property
+    def band_r(self) -> torch.Tensor:
+        return self.rope[self.end :]
 
 
 @dataclass
@@ -389,13 +404,12 @@ class PagedMLACache:
                  for (path, prot, _), r, x in zip(self.paths(), rows, (c, k_pe))]
         if view_dtype is None:
             return None
-        (vc, bc), (vr, br) = views
-        return ChunkView(vc, vr, bc, br)
+        return ChunkView(*views, rows[0].end)
 
     def _write_path(self, path: PagedPath, prot: torch.Tensor, r: ChunkRows, x: torch.Tensor, checked: bool,
                     dt: torch.dtype | None):
         """One path of `write_chunk`: prot [W, dim] its protected rows of the slot, x [n, dim] the chunk.
-        Returns (served [end, dim], band) in dt, or None without dt."""
+        Returns served [end, dim] ++ band in dt (`ChunkView`), or None without dt."""
         held = prot.dtype
         # Old protected rows are read (copied: advanced indexing) before the chunk's new tokens overwrite the
         # ring; sink_old stays a view, as new sink tokens only go to rows [start, sink), past it.
@@ -422,9 +436,9 @@ class PagedMLACache:
             parts.append(path.read(r.pool_old, dt, r.pool_old_scale))
         if packed is not None:
             parts.append(dequantize(packed, path.fmt, dt, path.dim))
-        parts += [tail_old, new_tail]
         band = evicted[r.band_start - r.evict_start :] if evicted is not None else x[:0]
-        return torch.cat([p.to(dt) for p in parts if p is not None]), band.to(held).to(dt)
+        parts += [tail_old, new_tail, band.to(held)]
+        return torch.cat([p.to(dt) for p in parts if p is not None])
 
     def append_decode(
         self,

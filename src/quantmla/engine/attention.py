@@ -36,13 +36,14 @@ KEY_ALIGN = 64  # keys per block are padded to a multiple of this (masked keys)
 
 @dataclass
 class QueryBlock:
-    """Queries [queries) of a chunk and the keys they can see: served-cache positions [0, served) and the
-    band entries `band` [m] int64 (indices into the plan's entries); `mask` [len(queries), served + m]
-    additive (0 / -inf)."""
+    """Queries [queries) of a chunk and the keys they can see: rows [0, keys) of the layer's keys
+    (`ChunkPlan.keys_c`) once `copies` are done: served positions [0, served), then the block's band entries
+    (each copy (dst, src, n) moves rows [src, src + n) to [dst, dst + n)), then pad keys it does not see
+    (whatever rows the buffer holds there); `mask` [len(queries), keys] additive (0 / -inf)."""
 
     queries: slice
-    served: int
-    band: torch.Tensor
+    keys: int
+    copies: list[tuple[int, int, int]]
     mask: torch.Tensor
 
 
@@ -51,13 +52,25 @@ def plan_key(cache: PagedMLACache) -> tuple:
     return cache.sink, cache.recent, *((p.block, ring, p.fmt.kind == "bf16") for p, _, ring in cache.paths())
 
 
+def _runs(idx: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(offset, first value, length) of each run of consecutive values in idx [n] int64 (host)."""
+    if not len(idx):
+        return []
+    cut = (torch.nonzero(idx.diff() != 1).flatten() + 1).tolist()
+    vals = idx.tolist()
+    return [(a, vals[a], b - a) for a, b in zip([0, *cut], [*cut, len(vals)])]
+
+
 @dataclass
 class ChunkPlan:
-    """One chunk's pool rows, band entries and query blocks for the caches of one layout (`plan_key`)."""
+    """One chunk's pool rows, key rows and query blocks for the caches of one layout (`plan_key`)."""
 
     rows: tuple[ChunkRows, ChunkRows]  # where the chunk's tokens go (`PagedMLACache.chunk_rows`)
-    entry_c: torch.Tensor  # [E] int64: row of each band entry's content in served ++ band_c (`ChunkView`)
-    entry_r: torch.Tensor  # [E] int64: its rope in served ++ band_r
+    # [end + gap + E] int64, or None where no query sees a band entry: the rows of served ++ band (`ChunkView`)
+    # that make a layer's keys (content, rope): served positions, a gap the blocks copy their band entries
+    # into, then the E band entries.
+    keys_c: torch.Tensor | None
+    keys_r: torch.Tensor | None
     blocks: list[QueryBlock]
 
     @classmethod
@@ -72,7 +85,8 @@ class ChunkPlan:
         [first, end): its content and rope come from the served cache where that holds them (stored, or not
         yet quantized; a bf16 path's pool holds its BF16 values) and from the path's band otherwise. The
         versions are positions only, computed on the host. Blocking the queries keeps the keys of each block
-        to those it can see: about half the causal square, and only ~block + window band entries."""
+        to those it can see: about half the causal square, and only ~block + window band entries; a block's
+        entries are a few runs of consecutive ones (one per version kind), so it moves them as slices."""
         query_block = query_block or QUERY_BLOCK
         rows = cache.chunk_rows(block_table, start, n)
         end, dev = start + n, block_table.device
@@ -81,31 +95,37 @@ class ChunkPlan:
         key, cs, rs, first, last = key_versions(*sf, start, end)
         band = last < end  # versions the chunk's last query no longer sees
         key, cs, rs, first, last = (x[band] for x in (key, cs, rs, first, last))
-        entries = []
-        for path, r, stored in zip(paths, rows, (cs, rs)):
-            served = stored | (key >= r.q_end) | (path.fmt.kind == "bf16")
-            entries.append(torch.where(served, key, end + key - r.band_start).to(dev))
         u = torch.arange(end)
         served_from = u
         for s in sf:  # the first query that sees the served version
             served_from = torch.where(s < end, torch.maximum(served_from, s), served_from)
         served_from = served_from.to(dev)
-        blocks = []
+        picks = []
         for lo in range(start, end, query_block):
             hi = min(lo + query_block, end)
             sel = torch.nonzero(torch.clamp(first, min=lo) < torch.clamp(last, max=hi)).flatten()
             # Pad the block's keys to a multiple of KEY_ALIGN with keys it does not see (later served ones,
-            # repeats of an entry): aligned key counts and mask rows keep the attention kernels fast.
+            # masked rows past its entries): aligned key counts and mask rows keep the attention kernels fast.
             served_hi = min(end, hi + (-(hi + len(sel))) % KEY_ALIGN)
             pad = (-(served_hi + len(sel))) % KEY_ALIGN if len(key) else 0
+            picks.append((lo, hi, sel, served_hi, pad))
+        gap = max(len(sel) + pad for *_, sel, _, pad in picks)
+        blocks = []
+        for lo, hi, sel, served_hi, pad in picks:
             f, e = first[sel], last[sel]
-            sel = torch.cat([sel, sel.new_zeros(pad)])
             f, e = torch.cat([f, f.new_full((pad,), NEVER)]).to(dev), torch.cat([e, e.new_zeros(pad)]).to(dev)
             t = torch.arange(lo, hi, device=dev)[:, None]
             seen = torch.cat([served_from[None, :served_hi] <= t, (f[None] <= t) & (t < e[None])], dim=1)
             mask = torch.zeros(seen.shape, dtype=dtype, device=dev).masked_fill_(~seen, float("-inf"))
-            blocks.append(QueryBlock(slice(lo - start, hi - start), served_hi, sel.to(dev), mask))
-        return cls(rows, entries[0], entries[1], blocks)
+            copies = [(served_hi + i, end + gap + v, m) for i, v, m in _runs(sel)]
+            blocks.append(QueryBlock(slice(lo - start, hi - start), served_hi + len(sel) + pad, copies, mask))
+        keys = [None, None]
+        if gap:
+            for i, (path, r, stored) in enumerate(zip(paths, rows, (cs, rs))):
+                served = stored | (key >= r.q_end) | (path.fmt.kind == "bf16")
+                entry = torch.where(served, key, end + key - r.band_start)  # its row in served ++ band
+                keys[i] = torch.cat([u, u.new_zeros(gap), entry]).to(dev)  # gap rows: any (masked where read)
+        return cls(rows, *keys, blocks)
 
 
 @dataclass
@@ -141,14 +161,6 @@ class StepContext:
     current: Prefill | Decode | None = None
 
 
-def _rows(served: torch.Tensor, band: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """Rows idx of served ++ band, without building it."""
-    if not band.shape[0]:
-        return served[idx]
-    n = served.shape[0]
-    return torch.where((idx >= n)[:, None], band[(idx - n).clamp_min(0)], served[idx.clamp_max(n - 1)])
-
-
 @torch.no_grad()
 def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hidden: torch.Tensor,
                       position_embeddings, ctx: Prefill) -> torch.Tensor:
@@ -164,15 +176,13 @@ def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hi
     c, k_pe = (x[0] for x in project_cache(attn, layer, hidden, position_embeddings))
     plan = ctx.plans[plan_key(cache)]
     view = cache.write_chunk(ctx.slot, plan.rows, c, k_pe, checked=False, view_dtype=hidden.dtype)
-    served = view.c.shape[0]
-    # Keys in one buffer: served positions, a gap as long as the longest block band, then the band entries.
-    # Blocks run last to first and each copies its entries just past the served keys it reads (over served
-    # keys only later blocks read), so a block's keys are one prefix of the buffer: no per-block K/V copies.
-    gap = max(len(blk.band) for blk in plan.blocks)
+    # Keys in one buffer (`ChunkPlan.keys_c`), one gather from the view: served positions, a gap as long as the
+    # longest block band, then the band entries. Blocks run last to first and each copies its entries (slices)
+    # just past the served keys it reads (over served keys only later blocks read), so a block's keys are one
+    # prefix of the buffer.
     all_c, all_r = view.c, view.k_pe
-    if gap:
-        all_c = torch.cat([all_c, all_c.new_zeros(gap, all_c.shape[1]), _rows(view.c, view.band_c, plan.entry_c)])
-        all_r = torch.cat([all_r, all_r.new_zeros(gap, all_r.shape[1]), _rows(view.k_pe, view.band_r, plan.entry_r)])
+    if plan.keys_c is not None:
+        all_c, all_r = view.content.index_select(0, plan.keys_c), view.rope.index_select(0, plan.keys_r)
     q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
     q = torch.cat([q_nope, q_pe], dim=-1)
     kv = attn.kv_b_proj(all_c).view(-1, layer.num_heads, layer.nope_dim + layer.v_dim).transpose(0, 1)
@@ -180,14 +190,12 @@ def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hi
     k = torch.cat([k_nope, all_r[None].expand(layer.num_heads, -1, -1)], dim=-1)
     outs = []
     for blk in reversed(plan.blocks):
-        n_band = len(blk.band)
-        if n_band:
-            src = served + gap + blk.band
-            k[:, blk.served : blk.served + n_band] = k[:, src]
-            v[:, blk.served : blk.served + n_band] = v[:, src]
-        keys = slice(0, blk.served + n_band)
-        outs.append(F.scaled_dot_product_attention(q[:, :, blk.queries], k[None, :, keys], v[None, :, keys],
-                                                   attn_mask=blk.mask, scale=layer.softmax_scale))
+        for dst, src, m in blk.copies:
+            k[:, dst : dst + m] = k[:, src : src + m]
+            v[:, dst : dst + m] = v[:, src : src + m]
+        outs.append(F.scaled_dot_product_attention(q[:, :, blk.queries], k[None, :, : blk.keys],
+                                                   v[None, :, : blk.keys], attn_mask=blk.mask,
+                                                   scale=layer.softmax_scale))  # fmt: skip
     out = outs[0] if len(outs) == 1 else torch.cat(outs[::-1], dim=2)
     return attn.o_proj(out.transpose(1, 2).flatten(2))
 
