@@ -202,8 +202,9 @@ def test_streaming_equals_non_streaming(served, chat):
 @pytest.mark.parametrize("streaming", [False, True])
 def test_stop_string_trims_and_frees_the_request(served, streaming):
     p = PROMPTS[0]
-    text = served.expected[p].text  # " add(a, b)\n\n\ndef _add_args(a, b)" and the like
-    stop = text[text.index("\n") : text.index("\n") + 2]
+    text = served.expected[p].text  # 24 greedy tokens of the default model, e.g. " add(a, b)\n\n\ndef _add_args"
+    # A two-character stop string from the middle of the text whose first occurrence is not at its start.
+    stop = next(text[k:k + 2] for k in range(len(text) // 3, len(text) - 2) if text.index(text[k:k + 2]) > 0)
     cut = text[: text.index(stop)]
     assert 0 < len(cut) < len(text) - 2
     body = {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": ["never there", stop]}
