@@ -175,6 +175,27 @@ def test_rope_calibration_beats_identity_on_the_report_sequences(layer_data):
     assert torch.exp(torch.log(t.scale).mean()) == pytest.approx(1.0, abs=1e-5)  # common scale pinned
 
 
+def test_rope_points_judged_on_the_attention_output(layer_data):
+    """With the attention's other inputs given, the RoPE search reports (and chooses on) the attention-output
+    error: its identity point is the byte budget's measure for RTN on the RoPE path alone, an independent
+    implementation; the fitted point beats it on the report sequences, which neither fit nor chose it."""
+    from quantmla.calibrate.budget import rope_error
+    from quantmla.calibrate.content import attention_heads
+
+    d = layer_data
+    pairs, scale = d["layer"].cache_pairs, d["layer"].softmax_scale
+    heads = (d["q_abs"], d["c"], d["w_uv"], scale)
+    t, res = calibrate_rope(d["q_pe"], d["k_pe"], d["pos"], pairs, POLICY, steps=40, heads=heads)
+    sl = Splits.of(8).report
+    args = (d["q_abs"][sl], d["q_pe"][sl], d["c"][sl].float(), d["k_pe"][sl].float(), d["w_uv"].float(), scale, d["pos"])
+    ref = attention_heads(*args)
+    assert res.report["identity"] == pytest.approx(float(rope_error(*args, POLICY, ref)), rel=1e-4)
+    qk_identity = rope_objective(d["q_pe"][sl], d["k_pe"][sl], d["pos"], pairs, POLICY,
+                                 RopeTransform.identity(d["k_pe"].shape[-1]))
+    assert res.report["identity"] != pytest.approx(qk_identity, rel=1e-2)  # not the QK error
+    assert res.report["calibrated"] < res.report["identity"]
+
+
 @pytest.mark.parametrize("family", ["deepseek_v2", "longcat_flash"])
 def test_calibrate_model_keeps_the_function(family):
     model = tiny_model(family)

@@ -121,7 +121,11 @@ def calibrate_attention(attn, layer: MLALayer, hidden, position_embeddings, cfg:
         _record(report, "content", res)
     if cfg.rope.kind != "bf16":
         with torch.enable_grad():
-            rope, res = calibrate_rope(q_pe, k_pe, pos, layer.cache_pairs, cfg, steps, seed, space=space)
+            heads = None  # the RoPE points judged on the QK error, else on the attention output
+            if space is None or space.rope_judge == "output":
+                heads = (absorb_queries(q_nope.float(), w_uk.float()), c, w_uv, layer.softmax_scale)
+            rope, res = calibrate_rope(q_pe, k_pe, pos, layer.cache_pairs, cfg, steps, seed, space=space,
+                                       heads=heads)
         _record(report, "rope", res)
     return content, rope, report
 

@@ -52,12 +52,19 @@ class SearchSpace:
     kernel reads them slowly: a token-axis RoPE path 0.55-0.58x the bf16 kernel, a token-axis content path
     0.13-0.33x (benchmarks/results/decode_kernel_token_axis.md); not the vLLM plugin).
     ranked: on the content path also ranked formats of no more bytes (`ranked_formats`; channel formats,
-    served everywhere; on the GPU only the Triton decode kernel reads them)."""
+    served everywhere; on the GPU only the Triton decode kernel reads them).
+    rope_judge: what the RoPE path's points are scored on, "output" (the attention output, as the content
+    path) or "qk" (the positional QK error it is fitted on; see `calibrate.rope`)."""
 
     clips: tuple[float, ...] = CLIPS
     token_axis: bool = False
     kivi_tokens: int = KIVI_TOKENS
     ranked: bool = True
+    rope_judge: str = "output"
+
+    def __post_init__(self):
+        if self.rope_judge not in ("output", "qk"):
+            raise ValueError(f"rope_judge must be 'output' or 'qk', got {self.rope_judge!r}")
 
     def formats(self, base: QuantFormat, dim: int, first_query: int | None = None,
                 cfg: CacheConfig | None = None, ranked: bool = False) -> list[QuantFormat]:
