@@ -64,6 +64,25 @@ def test_suite_kl_is_the_mean_kl_of_the_scored_tokens(model):
     assert int2.ppl == pytest.approx(math.exp(nll), rel=1e-6) and int2.ppl_bf16 == pytest.approx(bf16.ppl_bf16)
 
 
+def test_windows_set_the_ppl_kl_windows_apart_from_the_needle_samples(model):
+    """`windows` sizes the ppl/kl set alone: the KL is the mean over those windows' tokens (the first two of
+    three held-out windows give the two-window figure), and the needles keep `samples`."""
+    base = dict(lengths=(96,), samples=2, scored=32, batch=3, progress=False)
+    args = MethodArgs("int2", "int2", sink=0, recent=16)
+    three = evaluate(model, None, "rtn", args, EvalSettings(tasks=("ppl", "kl"), windows=3, **base))
+    two = evaluate(model, None, "rtn", args, EvalSettings(tasks=("ppl", "kl"), **base))
+    assert three.settings["windows"] == [3, 96] and two.settings["windows"] == [2, 96]
+    windows = heldout_windows(None, model.config.vocab_size, 96, 3)
+    cfg = CacheConfig("int2", "int2", 0, 16).fit(32, 16)
+    per_window = window_stats(model, windows, 32, cfg, batch=3, progress=False)["kl"]
+    assert three.kl == pytest.approx(per_window.mean().item(), rel=1e-5)
+    assert two.kl == pytest.approx(per_window[:2].mean().item(), rel=1e-5) and two.kl != pytest.approx(three.kl)
+    needles = evaluate(model, None, "rtn", args, EvalSettings(tasks=("niah",), windows=5, **base))
+    assert all(len(o) == 2 for by_n in needles.niah_samples.values() for o in by_n.values())
+    with pytest.raises(ValueError, match="windows"):
+        EvalSettings(windows=0)
+
+
 def test_scored_tokens_attend_to_quantized_history(model, windows):
     """A short scored continuation changes under a destructive cache whose protected window is shorter than
     the context, and does not when the window covers everything."""

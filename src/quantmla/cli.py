@@ -268,7 +268,8 @@ def cmd_eval(args) -> None:
     lengths = _int_list(args.lengths, "--lengths")
     scored = args.scored if args.scored is not None else min(256, max(lengths, default=512) // 2)  # short: half
     settings = EvalSettings(tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
-                            lengths=lengths, samples=args.samples, scored=scored, seed=args.seed, batch=args.batch)
+                            lengths=lengths, samples=args.samples, scored=scored, seed=args.seed, batch=args.batch,
+                            windows=args.windows)
     if args.data and not Path(args.data).is_file():
         raise FileNotFoundError(f"text file not found: {args.data}")
     model_dir = resolve_model_dir(args.model)
@@ -335,7 +336,7 @@ def cmd_demo(args) -> None:
     model_dir = resolve_model_dir(args.model)
     settings = DemoSettings(calib_steps=args.steps,
                             eval=EvalSettings(lengths=_int_list(args.lengths, "--lengths"), samples=args.samples,
-                                              scored=128, batch=8))
+                                              windows=args.windows, scored=128, batch=8))
     console.rule(f"quantmla demo on {model_dir.name}")
     rows = run_demo(model_dir, Path(args.out), settings, log=lambda m: console.print(f"[bold]>[/] {m}"))
     console.print(demo_table(model_dir.name, rows, settings.eval.lengths))
@@ -478,7 +479,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="needle lengths (bytes of prompt + answer: tokens of the byte-level default model); "
                         "ppl/kl windows are as many tokens as the longest (default 512,1024,2048)")
     s.add_argument("--samples", type=int, default=8,
-                   help="ppl/kl windows, and needle samples per task and length (default 8)")
+                   help="needle samples per task and length, and ppl/kl windows unless --windows (default 8)")
+    s.add_argument("--windows", type=int, default=None,
+                   help="held-out ppl/kl windows (default: --samples); a mean KL over few tokens is carried by "
+                        "the few whose prediction flips, so it wants more tokens than the needles want samples")
     s.add_argument("--scored", type=int, default=None,
                    help="scored tokens at the end of each ppl/kl window (default 256, or half a shorter window)")
     s.add_argument("--batch", type=int, default=8, help="sequences per forward (default 8)")
@@ -508,7 +512,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--out", default="runs/demo", help="where the calibrated checkpoints go (default runs/demo)")
     s.add_argument("--lengths", default="512", help="needle lengths; ppl/kl windows use the longest (default 512)")
-    s.add_argument("--samples", type=int, default=16, help="held-out windows and needle samples per cell (default 16)")
+    s.add_argument("--samples", type=int, default=16, help="needle samples per cell (default 16)")
+    s.add_argument("--windows", type=int, default=64,
+                   help="held-out windows for KL and perplexity, the last 128 tokens of each scored (default 64)")
     s.add_argument("--steps", type=int, default=40, help="calibration steps per path and layer (default 40)")
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the paged quantized cache",

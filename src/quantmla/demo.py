@@ -29,7 +29,7 @@ class DemoSettings:
     calib_steps: int = 40
     sink: int = 4
     recent: int = 128
-    eval: EvalSettings = EvalSettings(lengths=(512,), samples=16, scored=128, batch=8)
+    eval: EvalSettings = EvalSettings(lengths=(512,), samples=16, windows=64, scored=128, batch=8)
     seed: int = 0
 
 

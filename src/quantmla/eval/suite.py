@@ -37,8 +37,10 @@ TASK_NAMES = ("ppl", "kl", "niah")
 class EvalSettings:
     """What to measure. lengths: needle lengths (bytes of prompt + answer); ppl/kl windows use the longest.
 
-    samples: ppl/kl windows, and needle samples per task and length. scored: continuation tokens scored per
-    window. batch: windows (or needle samples) per forward.
+    samples: needle samples per task and length, and ppl/kl windows unless `windows` is given. scored:
+    continuation tokens scored per window. batch: windows (or needle samples) per forward. A mean KL over few
+    tokens is carried by its largest terms (a handful of tokens whose prediction flips), so ppl/kl may need
+    more windows than the needles need samples.
     """
 
     tasks: tuple[str, ...] = TASK_NAMES
@@ -48,6 +50,7 @@ class EvalSettings:
     seed: int = 0
     batch: int = 8
     progress: bool = True
+    windows: int | None = None  # ppl/kl windows (default: samples)
 
     def __post_init__(self):
         bad = [t for t in self.tasks if t not in TASK_NAMES]
@@ -55,8 +58,9 @@ class EvalSettings:
             raise ValueError(f"unknown task(s) {', '.join(bad) or '(none given)'}; known: {', '.join(TASK_NAMES)}")
         if not self.lengths or min(self.lengths) < 64:
             raise ValueError(f"lengths must be >= 64 tokens, got {list(self.lengths)}")
-        if self.samples < 1 or self.batch < 1:
-            raise ValueError(f"samples and batch must be >= 1, got {self.samples}, {self.batch}")
+        if self.samples < 1 or self.batch < 1 or (self.windows is not None and self.windows < 1):
+            raise ValueError(f"samples, windows and batch must be >= 1, got {self.samples}, {self.windows}, "
+                             f"{self.batch}")
         if {"ppl", "kl"} & set(self.tasks) and not 0 < self.scored < max(self.lengths):
             raise ValueError(f"scored tokens (--scored) must be in [1, {max(self.lengths) - 1}] for windows of "
                              f"{max(self.lengths)} tokens, got {self.scored}")
@@ -157,7 +161,8 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
         costs=method_info(test_model, config),
     )
     if "ppl" in settings.tasks or "kl" in settings.tasks:
-        windows = heldout_windows(tokenizer, model.config.vocab_size, longest, settings.samples, text_path)
+        count = settings.samples if settings.windows is None else settings.windows
+        windows = heldout_windows(tokenizer, model.config.vocab_size, longest, count, text_path)
         per_window = perplexity.window_stats(test_model, windows, settings.scored, config,
                                              model if reference_model is None else reference_model,
                                              settings.batch, f"ppl/kl {method}", settings.progress)
