@@ -31,7 +31,8 @@ if __name__ == "__main__":
         f"Calibration objectives of the default model, content {a.content}, RoPE {a.rope} (defaults of "
         "`quantmla calibrate`: 8 x 512 tokens of the built-in calibration text, 4 fit, 2 select, 2 report, 100 "
         "steps per path; queries at positions 260-511, each seeing the keys in [4, t - 127) quantized). "
-        "Content: attention-output NMSE; RoPE: positional QK error (normalised). Real quantization, on the 2 "
+        "Content and RoPE: attention-output NMSE with that path quantized (the RoPE fit itself runs on the "
+        "positional QK error; results before 2026-12-02 judged RoPE on that QK error). Real quantization, on the 2 "
         f"report sequences. Command: `python benchmarks/calibration_objectives.py --content "
         f"{a.content} --rope {a.rope}` ({datetime.date.today()}, CPU {platform.machine()}).",
         "",
