@@ -26,7 +26,7 @@ from quantmla.capture import capture
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.mla import absorb_queries, project_queries, split_kv_b
 from quantmla.models.adapters import MLALayer, attention_module
-from quantmla.policy import policy_attention, query_positions, quantize_body, quantized_keys
+from quantmla.policy import query_positions, quantize_body, quantized_keys
 from quantmla.quant.formats import bytes_per_token, fake_quantize
 
 CONTEXT = 131072
@@ -84,8 +84,7 @@ def rope_error(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, cfg: CacheConfig, ref) 
     """Attention-output NMSE with only the RoPE cache quantized (cfg.rope, RTN, the serving policy)."""
     quantized = quantized_keys(q_pos.to(k_pe.device), k_pe.shape[1], cfg, cfg.rope).float()
     delta = quantize_body(k_pe, cfg.rope, cfg.sink, fake_quantize) - k_pe
-    latent = policy_attention(q_abs, q_pe, c, k_pe, scale, q_pos, quantized, None, delta)
-    out = torch.einsum("bhtc,hvc->bhtv", latent, w_uv)
+    out = attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, None, quantized, delta)
     return (out - ref).pow(2).sum() / ref.pow(2).sum()
 
 

@@ -68,11 +68,12 @@ def axes_start(c_hat: torch.Tensor, group: int, generator: torch.Generator | Non
     return axes, 1 / rms.clamp_min(rms.max() * 1e-4 + 1e-12)
 
 
-def attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, delta=None, quantized=None):
+def attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, delta=None, quantized=None, delta_pe=None):
     """Per-head attention output in value space [B, H, Tq, dv] for queries at positions q_pos [Tq]; with
-    delta (the content cache's error) and quantized [Tq, S], as `policy.policy_attention` serves it."""
+    delta / delta_pe (the content / RoPE cache's error) and quantized [Tq, S], as `policy.policy_attention`
+    serves it."""
     quantized = torch.zeros(()) if quantized is None else quantized
-    latent = policy_attention(q_abs, q_pe, c, k_pe, scale, q_pos, quantized, delta)
+    latent = policy_attention(q_abs, q_pe, c, k_pe, scale, q_pos, quantized, delta, delta_pe)
     return torch.einsum("bhtc,hvc->bhtv", latent, w_uv)
 
 

@@ -109,21 +109,21 @@ def calibrate_attention(attn, layer: MLALayer, hidden, position_embeddings, cfg:
     pos = query_positions(hidden.shape[1], cfg, n_queries)
     q_nope, q_pe = q_nope[:, :, pos], q_pe[:, :, pos]
     w_uk, w_uv = split_kv_b(attn, layer)
+    q_abs = absorb_queries(q_nope.float(), w_uk.float())
     report = LayerReport(layer.cache_idx, layer.module)
     content = rope = None
     if cfg.content.kind != "bf16":
         gamma = attn.kv_a_layernorm.weight.float() * layer.latent_scale
         with torch.enable_grad():
-            content, res = calibrate_content(absorb_queries(q_nope.float(), w_uk.float()), q_pe, c, k_pe, w_uv,
-                                             gamma, layer.softmax_scale, pos, cfg, steps, seed, space=space)
+            content, res = calibrate_content(q_abs, q_pe, c, k_pe, w_uv, gamma, layer.softmax_scale, pos, cfg,
+                                             steps, seed, space=space)
         # The fold sets kv_a_layernorm.weight = sigma and the model multiplies by the latent scale after it.
         content.scale = content.scale / layer.latent_scale
         _record(report, "content", res)
     if cfg.rope.kind != "bf16":
         with torch.enable_grad():
-            heads = None  # the RoPE points judged on the QK error, else on the attention output
-            if space is None or space.rope_judge == "output":
-                heads = (absorb_queries(q_nope.float(), w_uk.float()), c, w_uv, layer.softmax_scale)
+            judge_output = (space or SearchSpace()).rope_judge == "output"  # else on the QK error
+            heads = (q_abs, c, w_uv, layer.softmax_scale) if judge_output else None
             rope, res = calibrate_rope(q_pe, k_pe, pos, layer.cache_pairs, cfg, steps, seed, space=space,
                                        heads=heads)
         _record(report, "rope", res)

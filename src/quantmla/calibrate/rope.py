@@ -24,11 +24,12 @@ from dataclasses import replace
 
 import torch
 
+from quantmla.calibrate.content import attention_heads
 from quantmla.calibrate.search import SearchResult, Splits, choose, search
 from quantmla.calibrate.smooth import smooth_scales
 from quantmla.calibrate.space import SearchSpace
 from quantmla.config import CacheConfig
-from quantmla.policy import policy_attention, quantize_body, quantized_keys
+from quantmla.policy import quantize_body, quantized_keys
 from quantmla.quant.formats import fake_quantize, fake_quantize_ste
 from quantmla.transforms.rope import RopeTransform
 
@@ -81,8 +82,7 @@ def output_error(q_pe, k_pe, pairs, params: dict, cfg: CacheConfig, quant, q_pos
     m, m_inv_t = _mats(params["log_scale"], params["angle"])
     kt = transform_pairs(k_pe, m, idx)
     delta = transform_pairs(quantize_body(kt, cfg.rope, cfg.sink, quant) - kt, m_inv_t.transpose(1, 2), idx)
-    latent = policy_attention(q_abs, q_pe, c, k_pe, scale, q_pos, quantized, None, delta)
-    out = torch.einsum("bhtc,hvc->bhtv", latent, w_uv)
+    out = attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos, None, quantized, delta)
     return (out - ref).pow(2).sum() / ref.pow(2).sum()
 
 
@@ -116,8 +116,7 @@ def calibrate_rope(q_pe, k_pe, q_pos, pairs, cfg: CacheConfig, steps: int = 100,
 
     if heads is not None:
         q_abs, c, w_uv, scale = (t.detach().float() if torch.is_tensor(t) else t for t in heads)
-        ref = torch.einsum("bhtc,hvc->bhtv", policy_attention(q_abs, q_pe, c, k_pe, scale, q_pos, torch.zeros(())),
-                           w_uv)
+        ref = attention_heads(q_abs, q_pe, c, k_pe, w_uv, scale, q_pos)
 
     def qk(p, sl, quant, fmt=cfg.rope):
         return qk_error(q_pe[sl], k_pe[sl], pairs, p, replace(cfg, rope=fmt), None, quant, q_pos)
