@@ -181,7 +181,8 @@ def markdown(results: list[dict], meta: dict) -> str:
                      f"{r['bytes_per_token_body']:g} | "
                      f"{r.get('costs', {}).get('online_flops_per_token', 0) or '-'} | "
                      f"{r['ppl']:.4f} | {r['kl']:.2e} |" + "".join(f" {a} |" for a in acc))
-    lines += ["", "Needle columns: accuracy in % per task and length."]
+    if tasks:
+        lines += ["", "Needle columns: accuracy in % per task and length."]
     lines += paired_section(results, bf16, tasks, lengths)
     return "\n".join(lines) + "\n"
 

@@ -232,6 +232,25 @@ def test_calibrate_command_round_trip(tmp_path):
     assert len(report) == 2 and "history" in report[0]
 
 
+def test_calibration_length_defaults_to_2048_or_the_models_positions(tmp_path):
+    """Without --length, calibrate uses 2048-token sequences, cut to max_position_embeddings (the tiny
+    model has 512), and says so in the section's calibration settings."""
+    from quantmla.calibrate.driver import default_length
+    from quantmla.data import resolve_model_dir
+
+    assert default_length(tiny_model("deepseek_v3")) == 512
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig
+
+    shipped = SimpleNamespace(config=AutoConfig.from_pretrained(resolve_model_dir(None)))  # 32 K positions
+    assert default_length(shipped) == 2048
+    src = save_tiny_model("deepseek_v3", tmp_path / "src")
+    out = tmp_path / "cal"
+    assert main(["calibrate", str(src), "--samples", "3", "--recent", "16", "--steps", "1", "--out", str(out)]) == 0
+    assert quantmla_section(out)["calibration"]["length"] == 512
+
+
 def test_calibrate_command_rejects_bad_arguments(tmp_path, capsys):
     src = save_tiny_model("deepseek_v3", tmp_path / "src")
     base = ["calibrate", str(src), "--out", str(tmp_path / "o"), "--samples", "2", "--length", "32"]

@@ -178,6 +178,10 @@ def cmd_calibrate(args) -> None:
         model = skeleton(model_dir)  # parameters on the meta device; calibrate_streaming loads them per layer
     else:
         model = load_model(model_dir)
+    if args.length is None:
+        from quantmla.calibrate.driver import default_length
+
+        args.length = default_length(model)
     _check_length(model, args.length)
     layers = describe(model)
     cfg = CacheConfig(content, rope, args.sink, args.recent).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
@@ -422,7 +426,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--recent", type=int, default=128, help="most recent tokens kept in BF16 (default 128)")
     s.add_argument("--data", help="calibration text file (default: the built-in calibration sample)")
     s.add_argument("--samples", type=int, default=8, help="calibration sequences, >= 3: fit/select/report (default 8)")
-    s.add_argument("--length", type=int, default=512, help="tokens per sequence (default 512)")
+    s.add_argument("--length", type=int, default=None,
+                   help="tokens per sequence (default 2048, or the model's max_position_embeddings if shorter; "
+                        "longer sequences show the search more quantized keys per query, as long contexts do)")
     s.add_argument("--steps", type=int, default=100, help="optimiser steps per path and layer (default 100)")
     s.add_argument("--clips", default=",".join(map(str, CLIPS)),
                    help="clipping ratios the search tries per path and layer, chosen on the real objective of "

@@ -88,6 +88,18 @@ def _first_layer_inputs(model, input_ids):
 # Formats whose quantizer the calibration surrogate models (group min/max scale, straight-through rounding).
 CALIBRATED_KINDS = ("bf16", "int8", "int4", "int2")
 
+# Tokens per calibration sequence unless asked otherwise. With recent=128, queries of 512-token sequences see
+# at most ~380 quantized keys, all near them; 2048-token sequences show the objective the far, many-key regime
+# a long context serves, and on the default model cut INT4/INT4's held-out KL at 2 K by 3.8x (its tails most:
+# benchmarks/results/kl_tails.md) for ~3.4x the CPU time.
+LENGTH = 2048
+
+
+def default_length(model) -> int:
+    """`LENGTH`, or the model's max_position_embeddings where that is shorter."""
+    limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
+    return min(LENGTH, limit) if limit else LENGTH
+
 
 def check_calibratable(cfg: CacheConfig) -> None:
     """Raise for a format calibration has no honest surrogate for (fp8, fp4, the codebooks)."""

@@ -206,7 +206,7 @@ class Calibration:
     """How `quantmla` calibrates an uncalibrated checkpoint (the `quantmla calibrate` defaults)."""
 
     samples: int = 8
-    length: int = 512
+    length: int = 2048  # cut to the model's max_position_embeddings (`calibrate.driver.default_length`)
     steps: int = 100
     seed: int = 0
     token_axis: bool = False  # also search KIVI-style token-axis groups (`quantmla calibrate --token-axis`)
