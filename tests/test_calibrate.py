@@ -235,14 +235,14 @@ def test_calibrate_command_round_trip(tmp_path):
 def test_calibration_length_defaults_to_2048_or_the_models_positions(tmp_path):
     """Without --length, calibrate uses 2048-token sequences, cut to max_position_embeddings (the tiny
     model has 512), and says so in the section's calibration settings."""
-    from quantmla.calibrate.driver import default_length
-    from quantmla.data import resolve_model_dir
-
-    assert default_length(tiny_model("deepseek_v3")) == 512
     from types import SimpleNamespace
 
     from transformers import AutoConfig
 
+    from quantmla.calibrate.driver import default_length
+    from quantmla.data import resolve_model_dir
+
+    assert default_length(tiny_model("deepseek_v3")) == 512
     shipped = SimpleNamespace(config=AutoConfig.from_pretrained(resolve_model_dir(None)))  # 32 K positions
     assert default_length(shipped) == 2048
     src = save_tiny_model("deepseek_v3", tmp_path / "src")

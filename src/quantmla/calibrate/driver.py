@@ -95,10 +95,10 @@ CALIBRATED_KINDS = ("bf16", "int8", "int4", "int2")
 LENGTH = 2048
 
 
-def default_length(model) -> int:
-    """`LENGTH`, or the model's max_position_embeddings where that is shorter."""
+def default_length(model, length: int = LENGTH) -> int:
+    """`length`, or the model's max_position_embeddings where that is shorter."""
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    return min(LENGTH, limit) if limit else LENGTH
+    return min(length, limit) if limit else length
 
 
 def check_calibratable(cfg: CacheConfig) -> None:

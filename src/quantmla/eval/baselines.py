@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from quantmla.calibrate.content import random_hadamard
+from quantmla.calibrate.driver import default_length
 from quantmla.calibrate.export import SECTION
 from quantmla.calibrate.smooth import smooth_scales
 from quantmla.config import CODEBOOK_KINDS, CacheConfig, QuantFormat
@@ -144,7 +145,7 @@ def calibration_ids(model: nn.Module, samples: int, length: int) -> torch.Tensor
     (found through the directory transformers loaded it from; byte ids modulo the vocab without one)."""
     source = getattr(model.config, "_name_or_path", "") or ""
     tokenizer = tokenizer_for(source) if source and Path(source).is_dir() else None
-    length = min(length, getattr(model.config, "max_position_embeddings", length) or length)
+    length = default_length(model, length)
     ids = token_windows(encode(read_text(None), tokenizer, model.config.vocab_size), length, samples)
     return ids.to(next(model.parameters()).device)
 
@@ -206,7 +207,7 @@ class Calibration:
     """How `quantmla` calibrates an uncalibrated checkpoint (the `quantmla calibrate` defaults)."""
 
     samples: int = 8
-    length: int = 2048  # cut to the model's max_position_embeddings (`calibrate.driver.default_length`)
+    length: int = 2048  # cut to the model's positions by `calibrate.driver.default_length`
     steps: int = 100
     seed: int = 0
     token_axis: bool = False  # also search KIVI-style token-axis groups (`quantmla calibrate --token-axis`)
