@@ -284,6 +284,7 @@ class Run:
     capacity_tokens: int
     kv_cache_bytes: int
     cut: bool
+    pages_left: int  # pages still allocated when the loop ended, before aborting what was left: 0 = no leak
     profile: dict | None = None
 
 
@@ -365,12 +366,13 @@ def drive(llm: LLM, w: Workload, prompts: list[list[int]], limit_s: float, windo
     if window is not None and window.prof is not None:  # the run ended inside the window
         with clock.pause():
             window.stop()
+    pages_left = llm.stats()["pages_used"]
     for i in range(n):
         if not fin[i]:
             llm.abort(str(i))
     stats = llm.stats()
     return Run(wall, arrivals, first, last, gen, fin, steps, stats, llm.capacity_tokens,
-               stats.get("kv_cache_bytes", 0), cut, window.result if window else None)  # fmt: skip
+               stats.get("kv_cache_bytes", 0), cut, pages_left, window.result if window else None)  # fmt: skip
 
 
 # --- the profile window -----------------------------------------------------------------------------------
@@ -520,7 +522,8 @@ def summarize(run: Run, fmt: Format, spec: ModelSpec, w: Workload, fraction: flo
         "budget_fraction": fraction, "kv_budget_bytes": budget, "kv_cache_bytes": run.kv_cache_bytes,
         "capacity_tokens": run.capacity_tokens, "load_tokens": w.requests * w.tokens,
         "preemptions": run.stats["preemptions"], "peak_batch": run.stats["peak_batch"],
-        "requests": w.requests, "requests_done": n_done, "output_tokens": tokens, "wall_s": run.wall_s,
+        "requests": w.requests, "requests_done": n_done, "requests_lost": w.requests - n_done,
+        "pages_left_allocated": run.pages_left, "output_tokens": tokens, "wall_s": run.wall_s,
         "output_tok_s": tokens / run.wall_s, "request_throughput_rps": n_done / run.wall_s,
         "ttft_median_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
         "tpot_median_s": pct(tpot, 50), "tpot_p99_s": pct(tpot, 99),
@@ -729,6 +732,10 @@ def targets(result: dict) -> list[str]:
         out.append(f"- INT4/INT4 output throughput {q['x_bf16']:.2f}x BF16 (target >= 5x)")
     if f:
         out.append(f"- INT4/INT4 output throughput {q['x_fp8_576']:.2f}x FP8-576 (target >= 1.8x)")
+    rows = [r for r in result["rows"] if not r.get("skipped")]
+    out.append("- requests finished / pages still allocated when each headline run ended: " + ", ".join(
+        f"{r['format']} {r['requests_done']}/{r['requests']} / {r.get('pages_left_allocated', '-')}"
+        + (" (cut by the time limit)" if r["cut"] else "") for r in rows))  # fmt: skip
     for r in (b, f, q):
         if not r:
             continue

@@ -13,9 +13,9 @@ import torch
 
 from quantmla.cache import QuantMLACache
 from quantmla.config import CacheConfig
-from quantmla.data import default_model_dir, encode, read_text
+from quantmla.data import default_model_dir, encode, read_text, tokenizer_for
 from quantmla.engine import LLM, SamplingParams
-from quantmla.models.adapters import attention_module, cache_kwargs, describe, query_weight
+from quantmla.models.adapters import attention_module, cache_kwargs, describe, load_model, query_weight
 from quantmla.models.tiny import TINY_FAMILIES, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -85,6 +85,28 @@ def test_int2_greedy_equals_generate_with_quant_cache(family):
     got = engine_greedy(sharp_model(family), "int2", "int4", ids, NEW)
     assert got == want
     # and the quantized cache matters: with a BF16 cache some token differs
+    assert engine_greedy(sharp_model(family), "bf16", "bf16", ids, NEW) != got
+
+
+@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+def test_int4_greedy_equals_generate_with_quant_cache(family):
+    """The headline format, plain INT4/INT4: the engine's greedy tokens are those of `generate` with a
+    QuantMLACache of the same formats fed token by token (as a server sees them), on every tiny family.
+    Prompts of seed 4: there INT4 changes some greedy token of every family (with seed 1 not deepseek_v3's)."""
+    ref = sharp_model(family)
+    layer = describe(ref)[0]
+    ids = prompts(ref.config.vocab_size, seed=4)
+    cfg = CacheConfig("int4", "int4", SINK, RECENT).fit(layer.kv_lora_rank, layer.rope_dim)
+    caches = [served_quant_cache(ref, p, cfg) for p in ids]
+    want = [hf_greedy(ref, p, NEW, c) for p, c in zip(ids, caches)]
+    got = engine_greedy(sharp_model(family), "int4", "int4", ids, NEW)
+    assert got == want
+    # not vacuous: every reference ends holding all but the last token, those past the window quantized ...
+    for c, n in zip(caches, LENGTHS):
+        report = c.memory_report()
+        quantized = n + NEW - 1 - SINK - RECENT  # 6, 38, 71
+        assert report["content"]["quantized_tokens"] == report["rope"]["quantized_tokens"] == quantized
+    # ... and the quantized cache matters: with a BF16 cache some token differs
     assert engine_greedy(sharp_model(family), "bf16", "bf16", ids, NEW) != got
 
 
@@ -185,6 +207,56 @@ def test_chunked_prefill_gives_the_same_cache_and_logits(monkeypatch, fmts):
             else:  # codes: a last-bit difference in an activation would have to flip one to show
                 assert torch.equal(a, b)
         torch.testing.assert_close(prot1, prot2)
+
+
+# --- the shipped default model: greedy outputs against generate ----------------------------------------
+
+# Windows (start, tokens) of heldout.txt, one batch of three lengths. With DEFAULT_NEW new tokens all three
+# leave the default BF16 window (sink 4 + recent 128): the first two already in the prefill, the third only
+# while decoding. The first two were picked from 48 seeded windows because INT4/INT4 changes a greedy token
+# there (the 9th; the reference's top-2 logit margins stay >= 0.02, far above summation-order noise).
+DEFAULT_WINDOWS, DEFAULT_NEW = ((4215, 150), (73848, 170), (66329, 120)), 24
+
+
+@pytest.fixture(scope="module")
+def default_model_prompts():
+    """transformers' own default model, loaded as `LLM()` loads it on the CPU (fp32, eager), and the prompts."""
+    model_dir = default_model_dir()
+    model = load_model(model_dir)
+    ids = encode(read_text(None, "heldout.txt"), tokenizer_for(model_dir), model.config.vocab_size)
+    return model, [ids[s : s + n].tolist() for s, n in DEFAULT_WINDOWS]
+
+
+def default_engine_greedy(llm: LLM, ids_list, n) -> list[list[int]]:
+    outs = llm.generate(ids_list, SamplingParams(max_tokens=n, ignore_eos=True))
+    assert llm.stats()["pages_used"] == 0 and llm.stats()["peak_batch"] == len(ids_list)  # decoded as one batch
+    return [o.token_ids for o in outs]
+
+
+def test_default_model_bf16_greedy_equals_transformers_generate(default_model_prompts):
+    model, ids = default_model_prompts
+    want = [hf_greedy(model, p, DEFAULT_NEW) for p in ids]
+    llm = LLM(content="bf16", rope="bf16", max_num_seqs=4, max_model_len=512)  # no `model`: the shipped one
+    assert default_engine_greedy(llm, ids, DEFAULT_NEW) == want
+
+
+def test_default_model_int4_greedy_equals_generate_with_quant_cache(default_model_prompts):
+    """`LLM()` as shipped (INT4/INT4, sink 4, recent 128) gives the greedy tokens of `generate` with a
+    QuantMLACache of the same formats fed token by token, as a server sees them (see the module docstring)."""
+    model, ids = default_model_prompts
+    llm = LLM(max_num_seqs=4, max_model_len=512)  # no `model` and no formats: the shipped default
+    cfg = llm.cache_config
+    assert cfg == CacheConfig("int4", "int4", 4, 128)
+    caches = [served_quant_cache(model, p, cfg) for p in ids]
+    want = [hf_greedy(model, p, DEFAULT_NEW, c) for p, c in zip(ids, caches)]
+    assert default_engine_greedy(llm, ids, DEFAULT_NEW) == want
+    # not vacuous: every reference ends holding all but the last token, those past the window quantized ...
+    for c, p in zip(caches, ids):
+        report = c.memory_report()
+        quantized = len(p) + DEFAULT_NEW - 1 - cfg.sink - cfg.recent  # 41, 61, 11
+        assert report["content"]["quantized_tokens"] == report["rope"]["quantized_tokens"] == quantized > 0
+    # ... and the quantized cache matters: with a BF16 cache the first two prompts' tokens differ
+    assert [w != hf_greedy(model, p, DEFAULT_NEW) for p, w in zip(ids, want)] == [True, True, False]
 
 
 # --- the shipped default model: preemption ------------------------------------------------------------

@@ -36,6 +36,7 @@ def test_tiny_run_writes_every_output(tiny):
     assert len(res["sweep"]) == 4 and len(res["poisson"]) == 2
     md = (out / "serving_pressure.md").read_text()
     assert md.count("(`bf16/bf16`)") == 1 + 2 + 1 and "## Targets" in md  # headline, sweep x2, Poisson
+    assert "bf16/bf16 8/8 / 0, fp8:0/fp8:0 8/8 / 0, int4/int4 8/8 / 0" in md  # finished / pages left
     assert (out / "serving_pressure.png").stat().st_size > 1000
     for r in res["rows"] + res["sweep"] + res["poisson"]:
         assert not r.get("skipped") and not r["cut"], r
@@ -44,7 +45,8 @@ def test_tiny_run_writes_every_output(tiny):
                     "peak_batch", "attention_share", "time_split"):  # fmt: skip
             assert key in r, key
         # Every request ran to its full length (ignore_eos), and the clocks are consistent.
-        assert r["requests_done"] == r["requests"]
+        assert r["requests_done"] == r["requests"] and r["requests_lost"] == 0
+        assert r["pages_left_allocated"] == 0  # read before the driver aborts anything: a leak would show
         assert r["output_tokens"] == r["requests"] * res["config"]["headline" if r in res["rows"] else "sweep"][
             "output_len"]
         assert 0 < r["ttft_median_s"] <= r["ttft_p99_s"] <= r["wall_s"]
