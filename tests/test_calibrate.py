@@ -232,6 +232,27 @@ def test_calibrate_command_round_trip(tmp_path):
     assert len(report) == 2 and "history" in report[0]
 
 
+@pytest.mark.parametrize("budget", [0.3, 0.6])
+def test_calibrate_budget_command_meets_its_byte_budget(tmp_path, capsys, budget):
+    """`calibrate --budget F --context N`: the checkpoint's cache, measured with the evaluation's own byte count
+    at N tokens, holds at most F of BF16's bytes, and the fused weights still compute the original function."""
+    from quantmla.eval.suite import measure_bytes_per_token
+
+    src = save_tiny_model("minicpm3", tmp_path / "src")  # kv_lora_rank 32, rope 8
+    out = tmp_path / "cal"
+    assert main(["calibrate", str(src), "--budget", str(budget), "--context", "4096", "--samples", "4",
+                 "--length", "64", "--recent", "16", "--steps", "2", "--out", str(out)]) == 0
+    cfg = cache_config_of(out)
+    held = measure_bytes_per_token(cfg, 32, 8, 4096) / (2 * (32 + 8))
+    assert held <= budget, (held, cfg.per_layer)
+    assert held > budget - 0.15, (held, cfg.per_layer)  # spends the budget rather than buying nothing
+    ids = torch.randint(0, 128, (2, 24))
+    original = AutoModelForCausalLM.from_pretrained(src).eval()
+    fused = AutoModelForCausalLM.from_pretrained(out).eval()
+    assert rel(fused(ids).logits, original(ids).logits) <= 1e-5
+    assert "budget" in capsys.readouterr().out.lower()
+
+
 def test_calibration_length_defaults_to_2048_or_the_models_positions(tmp_path):
     """Without --length, calibrate uses 2048-token sequences, cut to max_position_embeddings (the tiny
     model has 512), and says so in the section's calibration settings."""

@@ -187,8 +187,9 @@ def cmd_calibrate(args) -> None:
     cfg = CacheConfig(content, rope, args.sink, args.recent).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
     ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size)
     batch = token_windows(ids, args.length, args.samples)
-    if batch.shape[0] < 2:
-        raise ValueError(f"need at least 2 calibration sequences of {args.length} tokens; the text has fewer")
+    if batch.shape[0] < 3:  # one each to fit, select and report
+        raise ValueError(f"need at least 3 calibration sequences of {args.length} tokens (fit / select / report); "
+                         f"the text gives {batch.shape[0]}")
     console.print(f"calibrating {model_dir} ({len(layers)} MLA attentions) for content {cfg.content}, "
                   f"rope {cfg.rope}: {batch.shape[0]} x {batch.shape[1]} tokens, {args.steps} steps per path")
     calibration = {"samples": int(batch.shape[0]), "length": int(batch.shape[1]), "steps": args.steps,
