@@ -343,6 +343,39 @@ def test_concurrent_requests_each_get_their_own_output(served):
     assert served.wait_idle()["peak_batch"] >= 4  # they did run together
 
 
+def test_requests_that_overflow_the_pool_are_preempted_not_lost(served):
+    """Eight concurrent long requests need ~1.6x the pool: the server preempts (recompute) and still answers each
+    with the tokens an unlimited pool gives, and frees every page."""
+    prompts = [(p + " ") * (400 // len(p) + 1) for p in PROMPTS]
+    params = SamplingParams(max_tokens=160)
+    free = LLM(device="cpu", max_num_seqs=MAX_NUM_SEQS)
+    outs = free.generate(prompts, params)
+    want = [o.text for o in outs]
+    assert free.stats()["preemptions"] == 0
+    need = sum(len(o.prompt_token_ids) + len(o.token_ids) for o in outs)
+    assert need > 1.5 * served.llm.capacity_tokens, (need, served.llm.capacity_tokens)
+    before = served.wait_idle()
+
+    async def one(client, i):
+        body = {"prompt": prompts[i], "max_tokens": 160, "temperature": 0}
+        if i % 2:
+            async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+                assert r.status_code == 200
+                return streamed_text(sse_events([line async for line in r.aiter_lines()]), False)
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    async def run():
+        async with httpx.AsyncClient(base_url=served.url, timeout=120) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(len(prompts))))
+
+    assert asyncio.run(run()) == want
+    after = served.wait_idle()
+    assert after["preemptions"] > before["preemptions"]
+    assert after["pages_used"] == 0 and after["pages_free"] == after["pages_total"]
+
+
 @pytest.mark.parametrize("streaming", [True, False])
 def test_client_disconnect_aborts_and_frees_pages(served, streaming):
     before, aborted = served.wait_idle(), served.stats()["finished"].get("abort", 0)
