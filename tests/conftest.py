@@ -26,3 +26,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def default_prompts() -> list[list[int]]:
+    """Six short held-out windows (8-30 tokens) of the shipped default model's text, as token ids."""
+    from quantmla.data import default_model_dir, encode, read_text, tokenizer_for
+
+    ids = encode(read_text(None, "heldout.txt"), tokenizer_for(default_model_dir()), 259)
+    g = torch.Generator().manual_seed(0)
+    starts = torch.randint(0, len(ids) - 200, (6,), generator=g).tolist()
+    return [ids[s : s + n].tolist() for s, n in zip(starts, (12, 20, 8, 30, 16, 24))]

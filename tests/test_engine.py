@@ -262,18 +262,6 @@ def test_default_model_int4_greedy_equals_generate_with_quant_cache(default_mode
 # --- the shipped default model: preemption ------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def default_prompts():
-    model_dir = default_model_dir()
-    from quantmla.data import tokenizer_for
-
-    tok = tokenizer_for(model_dir)
-    ids = encode(read_text(None, "heldout.txt"), tok, 259)
-    g = torch.Generator().manual_seed(0)
-    starts = torch.randint(0, len(ids) - 200, (6,), generator=g).tolist()
-    return [ids[s : s + n].tolist() for s, n in zip(starts, (12, 20, 8, 30, 16, 24))]
-
-
 @pytest.mark.parametrize("fmts", [("bf16", "bf16"), ("int4", "int4"), ("int4", "int4:t16")])
 def test_preemption_gives_the_same_greedy_outputs(default_prompts, fmts):
     params = SamplingParams(max_tokens=60, ignore_eos=True)
@@ -282,7 +270,7 @@ def test_preemption_gives_the_same_greedy_outputs(default_prompts, fmts):
     want = [o.token_ids for o in free.generate(default_prompts, params)]
     assert free.stats()["preemptions"] == 0
     # 6 pages of 16 tokens: the six requests need 5-6 pages each at the end, 33 together.
-    tight = LLM(**kw, kv_cache_bytes=LLM_layout_bytes(free, 6))
+    tight = LLM(**kw, kv_cache_bytes=free.layout.bytes_for(6, free.scheduler.max_num_seqs))
     assert tight.stats()["pages_total"] == 6
     seqs = [tight.requests[tight.add_request(p, params)] for p in default_prompts]
     while tight.has_unfinished():
@@ -294,14 +282,6 @@ def test_preemption_gives_the_same_greedy_outputs(default_prompts, fmts):
     assert stats["preemptions"] > len(seqs) and min(s.preemptions for s in seqs[1:]) >= 1
     assert stats["pages_used"] == 0 and stats["running"] == stats["waiting"] == 0
     assert sorted(tight.blocks.free_slots) == list(range(6))
-
-
-def LLM_layout_bytes(llm: LLM, pages: int) -> int:
-    from quantmla.engine.block_manager import PoolLayout
-
-    layout = PoolLayout.of(llm.cache_config, llm.runner.layers, llm.blocks.block_size,
-                           llm.runner.caches[0].protected_content.dtype)  # fmt: skip
-    return layout.bytes_for(pages, llm.scheduler.max_num_seqs)
 
 
 @pytest.mark.parametrize("fmts", [("int4", "int4"), ("int4", "int4:t64"), ("int2:t32", "int4:t64")])

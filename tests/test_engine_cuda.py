@@ -35,8 +35,7 @@ def moe_llm(graphs: bool, pages: int | None = None) -> LLM:
         probe = LLM(tiny_model("deepseek_v3", qk_rope_head_dim=16, kv_lora_rank=32).to("cuda", torch.bfloat16),
                     content="int4", rope="int4", sink=2, recent=16, block_size=16, max_num_seqs=4,
                     kv_cache_bytes=budget, cuda_graphs=False)  # fmt: skip
-        per_page = probe.runner.caches[0].body_bytes_per_token * 16 * len(probe.runner.caches)
-        budget = probe.kv_cache_bytes - (probe.blocks.num_blocks - pages) * per_page
+        budget = probe.layout.bytes_for(pages, 4)
     return LLM(model, content="int4", rope="int4", sink=2, recent=16, block_size=16, max_num_seqs=4,
                kv_cache_bytes=budget, cuda_graphs=graphs)
 
@@ -89,24 +88,18 @@ def test_per_layer_formats_of_a_budget_calibration_graphs_equal_eager(tmp_path):
                                                   (torch.float32, ("int4", "int4"), 6),
                                                   (torch.bfloat16, ("bf16", "bf16"), 6),
                                                   (torch.bfloat16, ("int4", "int4"), 4)])
-def test_default_model_preempted_on_the_gpu_gives_the_same_greedy_outputs(dtype, fmts, identical):
+def test_default_model_preempted_on_the_gpu_gives_the_same_greedy_outputs(default_prompts, dtype, fmts, identical):
     """The trained default model on the GPU path (graphs, the Triton kernel): a pool of 6 pages preempts every
     request but the oldest, some twice, and greedy outputs equal those of an unlimited pool (at least
     `identical` of the 6)."""
-    from quantmla.data import default_model_dir, encode, read_text, tokenizer_for
-
-    ids = encode(read_text(None, "heldout.txt"), tokenizer_for(default_model_dir()), 259)
-    g = torch.Generator().manual_seed(0)
-    starts = torch.randint(0, len(ids) - 200, (6,), generator=g).tolist()
-    prompts = [ids[s : s + n].tolist() for s, n in zip(starts, (12, 20, 8, 30, 16, 24))]
+    prompts = default_prompts
     params = SamplingParams(max_tokens=60, ignore_eos=True)
     kw = dict(content=fmts[0], rope=fmts[1], sink=4, recent=16, block_size=16, max_num_seqs=6, dtype=dtype,
               device="cuda")
     free = LLM(**kw, kv_cache_bytes=256 << 20)
     want = [o.token_ids for o in free.generate(prompts, params)]
     assert free.stats()["preemptions"] == 0
-    tight = LLM(**kw, kv_cache_bytes=256 << 20)
-    tight = LLM(**kw, kv_cache_bytes=tight.kv_cache_bytes - (tight.blocks.num_blocks - 6) * _page_bytes(tight))
+    tight = LLM(**kw, kv_cache_bytes=free.layout.bytes_for(6, 6))
     assert tight.stats()["pages_total"] == 6
     got = [o.token_ids for o in tight.generate(prompts, params)]
     stats = tight.stats()
@@ -114,6 +107,3 @@ def test_default_model_preempted_on_the_gpu_gives_the_same_greedy_outputs(dtype,
     assert [len(g) for g in got] == [60] * 6
     assert sum(g == w for g, w in zip(got, want)) >= identical, [g == w for g, w in zip(got, want)]
 
-
-def _page_bytes(llm: LLM) -> int:
-    return sum(c.body_bytes_per_token for c in llm.runner.caches) * llm.blocks.block_size

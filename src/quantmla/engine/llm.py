@@ -118,7 +118,7 @@ class LLM:
         if limit and self.max_model_len > limit:
             raise ValueError(f"max_model_len {self.max_model_len} exceeds the model's limit "
                              f"(max_position_embeddings {limit})")
-        layout = PoolLayout.of(self.cache_config, layers, block_size,
+        self.layout = layout = PoolLayout.of(self.cache_config, layers, block_size,
                                storage_dtype(next(model.parameters()).dtype, device))
         if kv_cache_bytes is None:
             kv_cache_bytes = self._default_budget(layout, device, max_num_seqs, gpu_memory_utilization)
