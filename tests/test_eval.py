@@ -204,7 +204,9 @@ def test_eval_methods_parts_merge(tiny_dir, tmp_path):
     assert [(r["method"], r["content"]) for r in merged["results"]] == [("bf16", "bf16"), ("rtn", "int2:32")]
     assert merged["parts"] == parts and " ; " in merged["command"]
     md = (tmp_path / "ab.md").read_text()
-    assert "under serving semantics" in md and "| rtn | int2:32 |" in md
+    assert "under serving semantics" in md and "| rtn | int2:32 |" in md and "- Needles:" in md
+    assert eval_methods.main(common + ["--methods", "bf16", "--tasks", "ppl,kl", "--out", str(tmp_path / "k")]) == 0
+    assert "- Needles:" not in (tmp_path / "k.md").read_text()  # a KL-only run measured no needles
     assert eval_methods.main(common[:-1] + ["8", "--methods", "bf16", "--out", str(tmp_path / "c")]) == 0
     with pytest.raises(SystemExit, match="other settings"):
         eval_methods.main(["--merge", parts[0], str(tmp_path / "c.json"), "--out", str(tmp_path / "ac")])
