@@ -106,9 +106,8 @@ def main(argv=None) -> int:
         content, rope = formats.split("/")
         model, cfg = apply_method(name, ref, MethodArgs(content, rope, SINK, RECENT))
         means = path_means(model, cfg, cal)
-        chosen = cfg.layers or ((cfg.content, cfg.rope),)
-        row = {"method": spec, "content_format": "|".join(str(c) for c, _ in chosen),
-               "rope_format": "|".join(str(r) for _, r in chosen),
+        row = {"method": spec, "content_format": "|".join(str(c) for c, _ in cfg.per_layer),
+               "rope_format": "|".join(str(r) for _, r in cfg.per_layer),
                "center_norms": {what: round(v.norm().item(), 3) for what, v in means.items()}}
         for variant, paths in VARIANTS.items():
             row[variant] = centered_kl(model, cfg, windows, ref_lp, a.scored, means, paths)

@@ -121,16 +121,18 @@ def protocol(s: dict) -> list[str]:
                 f"- Needles: {s['samples']} samples per task and length (prompt + answer bytes = tokens), filler "
                 f"from the held-out text, greedy `generate` with the cache under test (one-call prefill), exact "
                 f"match; seed {s['seed']}, the same samples for every method."]
-    needles = "niah" in s.get("tasks", ["niah"])  # KL-only runs measured no needles
-    return [windows + "each is one forward under serving semantics (`quantmla.eval.serving`, as the engine's "
-            "prefill and decode): every query sees the sink and its own last `recent` keys in BF16 and every "
-            "other key as the cache stores it (KIVI's tokens once their block has left the window); the last "
-            f"{s['scored']} tokens are scored. KL is the mean next-token KL(BF16 || method) in nats on the same "
-            "tokens, against a plain forward of the BF16 model."] + [
+    lines = [windows + "each is one forward under serving semantics (`quantmla.eval.serving`, as the engine's "
+             "prefill and decode): every query sees the sink and its own last `recent` keys in BF16 and every "
+             "other key as the cache stores it (KIVI's tokens once their block has left the window); the last "
+             f"{s['scored']} tokens are scored. KL is the mean next-token KL(BF16 || method) in nats on the same "
+             "tokens, against a plain forward of the BF16 model."]
+    if "niah" in s.get("tasks", ["niah"]):  # KL-only runs measured no needles
+        lines.append(
             f"- Needles: {s['samples']} samples per task and length (prompt + answer bytes = tokens), filler from "
             "the held-out text; a sample is correct iff greedy decoding under the same serving semantics writes the "
             "answer exactly, scored teacher-forced in one forward (the argmax at every answer token; EOS at its "
-            f"final newline); seed {s['seed']}, the same samples for every method."] * needles
+            f"final newline); seed {s['seed']}, the same samples for every method.")
+    return lines
 
 
 def _cell(text: str) -> str:

@@ -6,12 +6,10 @@ It sits outside the installed package; these tests read it from the checkout.
 from __future__ import annotations
 
 import json
-import random
 from pathlib import Path
 
 import pytest
 
-from quantmla.eval.needles import make_sample
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_DIR = ROOT / "models" / "quantmla-mla-v2-moe"
@@ -90,10 +88,7 @@ def test_single_needle_beyond_stage_one_positions(model_and_tokenizer):
 
     model, tok = model_and_tokenizer
     assert model.config.max_position_embeddings >= 16384
-    filler = HELDOUT.read_text()
-    rng = random.Random(7)
-    samples = [make_sample("single", 4608, rng, filler=filler[o:o + 8000])
-               for o in (rng.randrange(len(filler) - 8000) for _ in range(6))]
+    samples = retrieval.samples_for("single", 4608, 6, seed=7, filler=HELDOUT.read_text())
     codec = retrieval.Codec(tok, model.config.vocab_size)
     correct = retrieval.outcomes(model, CacheConfig.bf16(), codec, samples, batch=6)
     assert sum(correct) >= 5, correct  # the card: 100 % at 2048 and 8192
