@@ -402,6 +402,18 @@ def test_sampler_draws_from_the_filtered_distribution():
     assert set(draws.tolist()) == {0, 1, 2}
 
 
+@pytest.mark.parametrize("temperature", [1e-30, 1e-40, 1e-45])
+def test_a_tiny_temperature_samples_the_argmax(temperature):
+    """logits / 1e-40 overflow to inf (NaN probabilities, token 0): the sampler must act as greedy instead."""
+    from quantmla.engine.sampler import sample
+
+    logits = torch.tensor([[-3.0, 5.0, 4.0, 1.0], [2.0, -1.0, 0.5, 7.0]])
+    g = torch.Generator().manual_seed(0)
+    for top_k, top_p in ((0, 1.0), (2, 1.0), (0, 0.9)):
+        params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)] * 2
+        assert sample(logits, params, [None, None], g) == [1, 3]
+
+
 def test_calibrated_checkpoint_selects_its_formats(tmp_path):
     """A checkpoint with a `quantmla` config section (what `quantmla calibrate` writes) picks its own formats;
     explicit arguments still win."""

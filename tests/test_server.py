@@ -263,13 +263,25 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", None),
     ("/v1/completions", {"prompt": "x", "stream": True, "n": 3}, 400, "n", None),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
-    ("/v1/completions", {"prompt": "x" * 5000, "max_tokens": 1}, 400, "prompt", None),  # > model's limit
-    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "prompt", None),  # > model's limit
+    ("/v1/completions", {"prompt": "x" * 5000, "max_tokens": 1}, 400, "prompt", None),  # > the pool
+    ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", None),  # > the pool
+    ("/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens", None),  # JSON types are strict
+    ("/v1/completions", {"prompt": [True, False]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", None),
+    ("/v1/completions", {"prompt": "x", "temperature": True}, 400, "temperature", None),
+    ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "logprobs", None),  # not implemented: refused
+    ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", None),
+    ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", None),
     ("/v1/chat/completions", {}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model", "model_not_found"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n", None),
+    ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", None),
+    ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400,
+     "response_format", None),
+    # a prompt over the model's limit is the prompt's fault, also where the server picks max_tokens
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "prompt", None),
 ]
 
 
@@ -281,6 +293,49 @@ def test_bad_requests_get_openai_errors_and_the_server_goes_on(served, path, bod
         r = served.client.post(path, json=body)
     assert_openai_error(r, status, param, code)
     assert served.wait_idle()["pages_used"] == 0  # nothing was queued
+    good_request_works(served)
+
+
+def test_no_op_values_of_unimplemented_options_are_accepted(served):
+    p = PROMPTS[0]
+    body = {"prompt": p, "max_tokens": 3, "temperature": 0, "logprobs": None, "echo": False, "best_of": 1,
+            "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "user": "someone"}
+    r = served.client.post("/v1/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == served.llm.decode(
+        served.expected[p].token_ids[:3])
+    r = served.client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, "tools": [],
+                                                         "tool_choice": "none", "response_format": {"type": "text"}})
+    assert r.status_code == 200
+
+
+class SlowTokenizer:
+    """The server's tokenizer, but encoding a prompt that starts with "SLOW" takes `seconds`."""
+
+    def __init__(self, tokenizer, seconds: float):
+        self.tokenizer, self.seconds = tokenizer, seconds
+
+    def encode(self, text, **kw):
+        if text.startswith("SLOW"):
+            time.sleep(self.seconds)
+        return self.tokenizer.encode(text, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+
+def test_tokenizing_a_long_prompt_does_not_stall_the_server(served, monkeypatch):
+    """Tokenizing happens off the asyncio loop: /health answers while a prompt takes seconds to encode."""
+    monkeypatch.setattr(served.server, "tokenizer", SlowTokenizer(served.server.tokenizer, 2.0))
+    slow = threading.Thread(target=lambda: served.client.post(
+        "/v1/completions", json={"prompt": "SLOW x", "max_tokens": 1}))
+    slow.start()
+    time.sleep(0.3)  # the slow request is being tokenized now
+    t0 = time.monotonic()
+    assert served.client.get("/health").status_code == 200
+    waited = time.monotonic() - t0
+    slow.join()
+    assert waited < 1.0, f"/health waited {waited:.2f} s behind a prompt being tokenized"
+    served.wait_idle()
     good_request_works(served)
 
 
@@ -458,3 +513,23 @@ def test_serve_command_builds_the_engine_and_says_where(monkeypatch, capsys):
     assert served_with[-1][0].stats()["format"] == "int4/int4:t64"
     assert main(["serve", "--device", "cpu", "--kv-cache-bytes", "1000"]) == 2  # no page fits: one-line error
     assert "holds no page" in capsys.readouterr().err
+
+
+def test_serve_command_refuses_bad_options_in_one_line(capsys, tmp_path):
+    from quantmla.cli import main
+    from quantmla.models.tiny import tiny_model
+
+    for argv, says in ((["--device", "tpu"], "--device"), (["--device", "cuda:99"], "--device"),
+                       (["--max-model-len", "0"], "max_model_len"), (["--max-model-len", "-5"], "max_model_len")):
+        assert main(["serve", "--kv-cache-bytes", "14e6", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and says in err and "Traceback" not in err, err
+    for value in ("1e400", "-3", "lots"):
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--kv-cache-bytes", value])
+        assert e.value.code == 2 and "--kv-cache-bytes" in capsys.readouterr().err
+    tiny_model("deepseek_v3").save_pretrained(tmp_path)  # weights and config, no tokenizer files
+    assert main(["serve", str(tmp_path), "--device", "cpu", "--kv-cache-bytes", "14e6"]) == 2
+    out, err = capsys.readouterr()
+    assert "has no tokenizer" in err and "serving" not in out
+

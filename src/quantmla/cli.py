@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import warnings
 from pathlib import Path
@@ -277,6 +278,7 @@ def cmd_eval(args) -> None:
                             windows=args.windows)
     if args.data and not Path(args.data).is_file():
         raise FileNotFoundError(f"text file not found: {args.data}")
+    check_device(args.device)
     model_dir = resolve_model_dir(args.model)
     model = load_model(model_dir, attn=args.attn).to(args.device)
     console.print(f"model: {model_dir}; method {args.method}; tasks {','.join(settings.tasks)}; "
@@ -357,10 +359,15 @@ def cmd_serve(args) -> None:
         raise ValueError(f"quantmla serve needs the serve extra ({e}): pip install -e '.[serve]'") from None
     from quantmla.engine import LLM
 
+    if args.device is not None:
+        check_device(args.device)
     llm = LLM(args.model, content=args.content, rope=args.rope, sink=args.sink, recent=args.recent,
               device=args.device, kv_cache_bytes=args.kv_cache_bytes,
               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len)
+    if llm.tokenizer is None:
+        raise ValueError(f"{args.model or 'the model'} has no tokenizer (tokenizer.json / tokenizer_config.json "
+                         "beside its weights): the server needs one to turn text into tokens")
     s = llm.stats()
     console.print(f"KV pool: {s['pages_total']} pages = {s['capacity_tokens']} tokens ({s['format']}, "
                   f"{s['kv_cache_bytes'] / 2**20:.1f} MiB), up to {args.max_num_seqs} sequences of at most "
@@ -368,6 +375,31 @@ def cmd_serve(args) -> None:
     console.print(f"serving {llm.model_name} at http://{args.host}:{args.port}/v1 (OpenAI API; also /health, "
                   f"/metrics)", soft_wrap=True)
     serve(llm, args.host, args.port)
+
+
+def check_device(name: str) -> None:
+    """A torch device this machine has, or ValueError naming what is wrong."""
+    import torch
+
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise ValueError(f"--device {name!r} is not a torch device ({e})") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: this torch has no CUDA device (torch {torch.__version__})")
+    if device.type == "cuda" and device.index is not None and device.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+
+
+def byte_count(text: str) -> int:
+    """--kv-cache-bytes: a positive number of bytes, '8e9' or '8000000000'."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number of bytes, got {text!r}")
+    return int(value)
 
 
 # ---------------------------------------------------------------- parser
@@ -540,7 +572,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
     s.add_argument("--device", help="torch device, e.g. cuda or cpu (default: cuda if available, else cpu)")
-    s.add_argument("--kv-cache-bytes", type=lambda v: int(float(v)),
+    s.add_argument("--kv-cache-bytes", type=byte_count,
                    help="byte budget of the KV pool, all layers, e.g. 8e9 (default: on CUDA "
                         "--gpu-memory-utilization of the card; on the CPU room for --max-num-seqs sequences of "
                         "--max-model-len tokens)")

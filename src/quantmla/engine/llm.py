@@ -104,6 +104,8 @@ class LLM:
         dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         if max_num_seqs < 1 or block_size < 1 or prefill_chunk < 1:
             raise ValueError("max_num_seqs, block_size and prefill_chunk must be >= 1")
+        if max_model_len is not None and max_model_len < 1:
+            raise ValueError(f"max_model_len must be >= 1 (or None: the model's limit), got {max_model_len}")
         if isinstance(model, nn.Module):
             section, self.model_name = None, getattr(model.config, "name_or_path", "") or type(model).__name__
             self.tokenizer, model = tokenizer, model.to(device)

@@ -51,7 +51,10 @@ class SamplingParams:
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
     """One row of logits [V] -> probabilities [V] after temperature, top-k and top-p (fp32)."""
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # Shifted by the max before dividing: a tiny temperature then sends the other logits to -inf (greedy in
+    # the limit) instead of overflowing every logit to inf, which made the probabilities NaN.
+    logits = (logits - logits.max()) / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
         logits = logits.masked_fill(logits < kth, float("-inf"))

@@ -6,12 +6,15 @@ Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `"stream":
 Threads: the LLM is not thread-safe, so one thread (`EngineLoop`) owns it. Handlers on the asyncio loop hand
 it add/abort commands through a thread-safe queue; it runs `llm.step()` while any request is unfinished and
 sends each request's StepOutputs back to that request's asyncio queue with `loop.call_soon_threadsafe`. Text
-stays on the asyncio side: prompts are tokenized and outputs detokenized there, so the engine thread only
-sees token ids and the tokenizer is used from one thread.
+has a thread of its own (`Server.text`): prompts are tokenized and outputs detokenized there, so the engine
+thread only sees token ids, the tokenizer is used from one thread, and the asyncio loop keeps answering
+(/health, other streams) while a long prompt is tokenized.
 
 Errors come back in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: malformed JSON, missing
-or invalid fields and bad sampling values are 400; an unknown model is 404 (`model_not_found`); a prompt the
-engine cannot hold (longer than the model's limit or than the whole KV pool) is 400 with the engine's message.
+or invalid fields (JSON types are taken strictly: `true` is not a number), bad sampling values and OpenAI
+options this server does not implement (`UNSUPPORTED`, when set to anything but their no-op value) are 400;
+an unknown model is 404 (`model_not_found`); a prompt the engine cannot hold (longer than the model's limit
+or than the whole KV pool) is 400 with the engine's message.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from dataclasses import dataclass, field
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -255,23 +258,40 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+# OpenAI options this server does not implement, with the values that change nothing: any other value is
+# refused (400) rather than silently ignored. Other unknown fields (e.g. "user") are ignored.
+UNSUPPORTED = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+}
+
+
 class _SamplingRequest(BaseModel):
-    """The fields both endpoints share (OpenAI's names and defaults; unknown fields are ignored)."""
+    """The fields both endpoints share (OpenAI's names and defaults)."""
+
+    model_config = ConfigDict(extra="allow")  # unknown fields land in model_extra: see UNSUPPORTED
 
     model: str | None = None
-    max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 or -1 (vLLM's spelling): off
-    seed: int | None = None
+    max_tokens: StrictInt | None = None
+    temperature: StrictFloat = 1.0
+    top_p: StrictFloat = 1.0
+    top_k: StrictInt = 0  # 0 or -1 (vLLM's spelling): off
+    seed: StrictInt | None = None
     stop: str | list[str] | None = None
-    stream: bool = False
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
-    n: int = 1
+    n: StrictInt = 1
+
+    def refuse_unsupported(self) -> None:
+        for name, value in (self.model_extra or {}).items():
+            if name in UNSUPPORTED and not any(value == ok for ok in UNSUPPORTED[name]):
+                raise APIError(400, f"{name} is not supported by this server (got {value!r})", name)
 
 
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[int]
+    prompt: str | list[StrictInt]
 
 
 class TextPart(BaseModel):
@@ -291,7 +311,7 @@ class ChatMessage(BaseModel):
 
 class ChatRequest(_SamplingRequest):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: StrictInt | None = None
 
 
 class APIError(Exception):
@@ -362,16 +382,36 @@ class Server:
         self.model_name = llm.model_name
         self.max_model_len = llm.max_model_len
         self.engine = EngineLoop(llm)
+        self.text = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="quantmla-text")
         self.created = int(time.time())
+
+    async def on_text_thread(self, fn, *args):
+        """fn(*args) on the text thread (every use of the tokenizer), awaited without blocking the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.text, fn, *args)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    def encode(self, prompt: str | list[int]) -> list[int]:
+    async def encode(self, prompt: str | list[int]) -> list[int]:
         """Token ids as llm.add_request would make them (no special tokens added); the engine checks them."""
-        return self.tokenizer.encode(prompt, add_special_tokens=False) if isinstance(prompt, str) else prompt
+        if not isinstance(prompt, str):
+            return prompt
+        return await self.on_text_thread(lambda: self.tokenizer.encode(prompt, add_special_tokens=False))
+
+    def check_length(self, prompt_ids: list[int], max_tokens: int | None) -> None:
+        """The model's limit and the whole KV pool (the engine checks both too), with the fault put on the
+        prompt where it alone leaves no room for output, else on max_tokens (None: the server picks it)."""
+        n = len(prompt_ids)
+        for limit, what in ((self.max_model_len, "the model's limit of"), (self.llm.capacity_tokens,
+                                                                            "the whole KV pool of")):
+            if n >= limit:
+                raise APIError(400, f"the prompt ({n} tokens) leaves no room for output within {what} {limit} "
+                                    "tokens", "prompt")
+            if max_tokens is not None and n + max_tokens > limit:
+                raise APIError(400, f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
+                                    f"{what} {limit} tokens", "max_tokens")
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
                     prefix: str) -> _Job:
@@ -406,7 +446,8 @@ class Server:
                         raise item
                 last = batch[-1]  # a request's finishing output is its last one
                 engine_done = last.finished
-                delta = job.text.push([t for o in batch for t in o.new_token_ids], last.finished)
+                delta = await self.on_text_thread(job.text.push, [t for o in batch for t in o.new_token_ids],
+                                                  last.finished)
                 reason = "stop" if job.text.stopped else last.finish_reason if last.finished else None
                 if delta or reason:
                     yield Chunk(delta, reason)
@@ -511,6 +552,7 @@ def build_app(llm) -> FastAPI:
         server.engine.start()
         yield
         server.engine.stop()
+        server.text.shutdown(wait=False)
 
     app = FastAPI(title="quantmla", lifespan=lifespan)
     app.state.server = server
@@ -539,16 +581,20 @@ def build_app(llm) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(req: CompletionRequest, request: Request):
         server.check_model(req.model)
-        prompt_ids = server.encode(req.prompt)
+        req.refuse_unsupported()
+        prompt_ids = await server.encode(req.prompt)
         params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens)  # OpenAI's default
+        server.check_length(prompt_ids, params.max_tokens)
         job = await server.start(prompt_ids, params, stop_strings(req.stop), "cmpl")
         return await _respond(server, req, job, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
         server.check_model(req.model)
-        prompt_ids = server.encode(chat_prompt(server.tokenizer, req.messages))
+        req.refuse_unsupported()
+        prompt_ids = await server.encode(await server.on_text_thread(chat_prompt, server.tokenizer, req.messages))
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
+        server.check_length(prompt_ids, max_tokens)
         if max_tokens is None:  # OpenAI's default: as much as the context (and the whole pool) leaves
             max_tokens = max(min(server.max_model_len, server.llm.capacity_tokens) - len(prompt_ids), 1)
         job = await server.start(prompt_ids, sampling_params(req, max_tokens), stop_strings(req.stop), "chatcmpl")
