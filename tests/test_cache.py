@@ -229,6 +229,38 @@ def test_reorder_select_crop_reset():
     assert cache.get_seq_length() == 7
 
 
+@pytest.mark.parametrize("fmts", [("int4:8", "int4:8"), ("int4:t4", "int4:8")])
+def test_after_a_crop_the_window_refills_before_more_is_quantized(fmts):
+    """A crop leaves the body ahead of the policy (quantized tokens stay quantized); appends then fill the
+    window back up, quantizing nothing until the policy catches up, and from there on one token per token."""
+    cfg = CacheConfig(*fmts, sink=2, recent=8)
+    c, k = torch.randn(1, 1, 40, DC), torch.randn(1, 1, 40, DR)
+    cache = QuantMLACache(cfg)
+    cache.update(c[..., :30, :], k[..., :30, :], 0)
+    body = _parts(cache.layers[0])[1]
+    cache.crop(-4)  # from the window: the body keeps its tokens
+    assert _parts(cache.layers[0])[1] == body
+    for t in range(26, 40):
+        cache.update(c[..., t : t + 1, :], k[..., t : t + 1, :], 0)
+        content = cache.layers[0].content
+        # the policy at t + 1 tokens quantizes [sink, t + 1 - recent) (token axis: whole blocks of it)
+        policy = ((t + 1 - 8 - 2) // content.block) * content.block
+        assert content.n_body == max(body, policy), t
+        assert cache.get_seq_length() == t + 1
+
+
+def test_a_crop_through_a_block_changes_nothing():
+    cfg = CacheConfig("int4:8", "int4:t8", sink=0, recent=0)
+    cache = QuantMLACache(cfg)
+    for layer in (0, 1):
+        cache.update(torch.randn(1, 1, 20, DC), torch.randn(1, 1, 20, DR), layer)
+    before = [[t.clone() for t in layer.tensors()] for layer in cache.layers]
+    with pytest.raises(ValueError, match="cannot crop 2 quantized tokens out of int4:t8.s blocks of 8"):
+        cache.crop(-6)
+    assert cache.get_seq_length() == 20
+    assert all(torch.equal(a, b) for layer, want in zip(cache.layers, before) for a, b in zip(layer.tensors(), want))
+
+
 def test_beam_search_matches_dynamic_cache_in_bf16():
     # Beam search goes through batch_repeat_interleave and reorder_cache.
     model = _model("longcat_flash")
@@ -288,3 +320,23 @@ def test_width_change_raises():
     cache.update(torch.randn(1, 1, 2, DC), torch.randn(1, 1, 2, DR), 0)
     with pytest.raises(ValueError, match="widths changed"):
         cache.update(torch.randn(1, 1, 1, 2 * DC), torch.randn(1, 1, 1, DR), 0)
+
+
+def test_a_batch_of_another_size_is_refused_by_name():
+    cache = QuantMLACache(CacheConfig("int4:8", "int4:8", 1, 2))
+    cache.update(torch.randn(1, 1, 5, DC), torch.randn(1, 1, 5, DR), 0)
+    with pytest.raises(ValueError, match="layer 0 content: this cache holds 1 sequence.*got a batch of 2"):
+        cache.update(torch.randn(2, 1, 1, DC), torch.randn(2, 1, 1, DR), 0)
+
+
+@pytest.mark.parametrize("sink, recent", [(2.5, 128), (4, "128"), (True, 128)])
+def test_sink_and_recent_must_be_whole_numbers(sink, recent):
+    with pytest.raises(ValueError, match="sink and recent must be whole numbers"):
+        CacheConfig("int4", "int4", sink, recent)
+
+
+def test_a_bad_group_spelling_says_what_a_format_looks_like():
+    for spec in ("int4:abc", "int4:32cx"):
+        with pytest.raises(ValueError, match=r"expected KIND\[:GROUP or :tTOKENS\]"):
+            QuantFormat.parse(spec)
+

@@ -5,6 +5,7 @@ Everything below the CLI receives these objects explicitly; nothing reads flags 
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass, field, replace
 
 FORMAT_KINDS = ("bf16", "fp8", "int8", "int4", "int2", "fp4", "lm4", "lm3", "lm2")
@@ -98,7 +99,8 @@ class QuantFormat:
         try:
             clip = float(clip_text) if has_clip else 1.0
         except ValueError:
-            raise ValueError(f"bad format {spec!r}: expected a clipping ratio after 'c', e.g. int4:32c0.9") from None
+            raise ValueError(f"bad format {spec!r}: expected KIND[:GROUP or :tTOKENS][rRANK][cCLIP], e.g. int4, "
+                             "int4:32, int4:t64, int8r128, int4:32c0.9") from None
         base, has_rank, rank = base.partition("r")
         if has_rank and (not rank.isdigit() or not int(rank)):  # rank 0 means "every channel": not a spelling
             raise ValueError(f"bad format {spec!r}: expected a positive rank after 'r', e.g. int8r128")
@@ -168,6 +170,9 @@ class CacheConfig:
         object.__setattr__(self, "rope", QuantFormat.parse(self.rope))
         object.__setattr__(self, "layers", tuple((QuantFormat.parse(c), QuantFormat.parse(r))
                                                  for c, r in self.layers))
+        if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in (self.sink, self.recent)):
+            raise ValueError(f"sink and recent must be whole numbers of tokens, got sink={self.sink!r}, "
+                             f"recent={self.recent!r}")
         if self.sink < 0 or self.recent < 0:
             raise ValueError(f"sink and recent must be >= 0, got sink={self.sink}, recent={self.recent}")
         kind, _, seed = self.rope_rotation.partition(":")

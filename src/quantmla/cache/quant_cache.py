@@ -35,8 +35,14 @@ Use: build one cache per batch of sequences, pass it to the model, and read it b
                                                                     # deprecation warning
 The same keyword works for `model(ids, ...)`. Which name a model takes: `"cache" in
 inspect.signature(model.forward).parameters`. `crop` removes tokens from the end, but tokens quantized when
-they left the window stay quantized, so `is_croppable` is False and generation modes that roll the cache
-back (assisted / speculative decoding) are not supported.
+they left the window stay quantized (later appends refill the window before anything more is quantized), so
+`is_croppable` is False: assisted / speculative decoding runs, but tokens that rejected draft tokens pushed out
+of the window stay quantized.
+
+Padding: the cache does not see the attention mask, so in a left-padded batch the pads are tokens to it: they
+fill the sink and shift token-axis blocks, and a padded row is then not stored as it would be alone. With
+sink=0 and channel formats (per token) every row is stored as alone; otherwise batch sequences of one length
+(the engine, `quantmla.engine`, needs no padding).
 """
 
 from __future__ import annotations
@@ -107,6 +113,10 @@ class PathStore:
 
     def append(self, x: torch.Tensor, config: CacheConfig) -> torch.Tensor:
         """Add tokens x [B,1,n,D]; quantize whatever leaves the window; return the whole history [B,1,T,D]."""
+        if len(self) and x.shape[0] != self.sink.shape[0]:
+            raise ValueError(f"{self.what}: this cache holds {self.sink.shape[0]} sequence(s), got a batch of "
+                             f"{x.shape[0]}; use one cache per batch (or its batch_repeat_interleave / "
+                             "batch_select_indices)")
         if self.fmt.kind != "bf16":
             check_finite(x, self.what)  # fail at the call that brought the NaN, not when it leaves the window
         length = len(self) + x.shape[-2]
@@ -115,7 +125,9 @@ class PathStore:
             self.sink = torch.cat([self.sink, x[..., :take, :]], dim=-2)
             x = x[..., take:, :]
         held = torch.cat([self.staging, self.recent, x], dim=-2)  # unquantized tokens past the sink, in order
-        ready = quantized_end(length, config.sink, config.recent, self.block) - config.sink - self.n_body
+        # After a crop the body may hold more tokens than the policy quantizes at this length (they stay
+        # quantized): nothing is ready until the policy catches up.
+        ready = max(0, quantized_end(length, config.sink, config.recent, self.block) - config.sink - self.n_body)
         if ready:
             block = held[..., :ready, :]
             if self.rotation is not None:
@@ -142,16 +154,21 @@ class PathStore:
         self.sink, self.recent, self.body = fn(self.sink), fn(self.recent), _map_packed(self.body, fn)
         self.staging = fn(self.staging)
 
+    def check_crop(self, n: int) -> None:
+        """Raise, changing nothing, if the last n tokens cut a quantized block (token-axis formats)."""
+        cut = min(max(n - self.recent.shape[-2] - self.staging.shape[-2], 0), self.n_body)
+        if cut % self.block:
+            raise ValueError(f"{self.what}: cannot crop {cut} quantized tokens out of {self.fmt}'s blocks of "
+                             f"{self.block} tokens")
+
     def crop_last(self, n: int) -> None:
         """Drop the last n tokens, from the recent window first, then staging, the body, then the sink."""
+        self.check_crop(n)
         for part in ("recent", "staging"):
             cut = min(n, getattr(self, part).shape[-2])
             setattr(self, part, _drop_last(getattr(self, part), cut))
             n -= cut
         cut = min(n, self.n_body)
-        if cut % self.block:
-            raise ValueError(f"{self.what}: cannot crop {cut} quantized tokens out of {self.fmt}'s blocks of "
-                             f"{self.block} tokens")
         body = self.body
         self.body = Packed(_drop_last(body.codes, cut), *(None if t is None else _drop_last(t, cut // self.block)
                                                           for t in (body.scale, body.zero)))
@@ -235,6 +252,8 @@ class QuantMLALayer(DynamicLayer):
         """Remove the last -tokens_to_remove tokens (transformers' convention: a negative count)."""
         if tokens_to_remove > 0:
             raise ValueError("crop takes a negative count of tokens to remove, as DynamicLayer.crop does")
+        for p in self._paths():  # both paths can be cut, or neither is
+            p.check_crop(-tokens_to_remove)
         for p in self._paths():
             p.crop_last(-tokens_to_remove)
 
@@ -286,6 +305,15 @@ class QuantMLACache(Cache):
         while len(self.layers) <= layer_idx:
             self.layers.append(QuantMLALayer(self.config.at(len(self.layers)), len(self.layers)))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """`QuantMLALayer.crop` on every layer, checked on all of them before any is cut: a crop through a
+        token-axis block raises and leaves the cache as it was."""
+        if tokens_to_remove < 0:
+            for layer in self.layers:
+                for p in layer._paths():
+                    p.check_crop(-tokens_to_remove)
+        super().crop(tokens_to_remove)
 
     def memory_bytes(self) -> int:
         """Total bytes really held by every layer: sum of numel * element_size of every stored tensor."""
