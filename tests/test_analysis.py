@@ -1,6 +1,7 @@
 """The amplification experiment and the `info` / `analyze` commands on tiny checkpoints."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -112,6 +113,41 @@ def test_info_command(tiny_dir, tmp_path):
     # int2 over 32 channels (one group) + int4 over 8 channels (one group): codes + fp16 scale and zero
     assert data["bytes_per_token"] == 2 * ((8 + 4) + (4 + 4))
     assert data["layers"][0]["rope_style"] == "half"
+
+
+def _rendered_at_80(table) -> list[str]:
+    from rich.console import Console
+
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    console.print(table)
+    return console.export_text().splitlines()
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "longcat_flash"])
+def test_info_table_is_readable_at_80_columns(family):
+    """Layers that agree collapse into one row; nothing is cut short (rich marks a cut cell with an ellipsis)."""
+    from quantmla.cli import layers_table
+    from quantmla.models import describe
+    from quantmla.models.tiny import tiny_model
+
+    layers = describe(tiny_model(family))
+    lines = _rendered_at_80(layers_table("tiny", layers))
+    assert all(len(line) <= 80 and "\u2026" not in line for line in lines), "\n".join(lines)
+    text = "\n".join(lines)
+    assert f"0-{len(layers) - 1}" in text and str(layers[0].kv_lora_rank) in text and layers[0].rope_style in text
+
+
+def test_eval_table_is_readable_at_80_columns():
+    from quantmla.cli import result_table
+    from quantmla.eval.suite import EvalResult
+
+    long_formats = "|".join(["int8:16r128c0.95"] * 4)
+    r = EvalResult("quantmla b=0.2823", long_formats, long_formats, 4, 128, 318.8123, 312.0, 1152, 2048, 310.5,
+                   ppl=1.9023, ppl_bf16=1.9021, kl=9.538e-06)
+    lines = _rendered_at_80(result_table("model", r))
+    assert all(len(line) <= 80 and "\u2026" not in line for line in lines), "\n".join(lines)
+    text = "\n".join(lines)
+    assert "9.538e-06" in text and "1.9023 / 1.9021" in text and "318.8" in text
 
 
 def test_analyze_command(tiny_dir, tmp_path):

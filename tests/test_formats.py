@@ -258,3 +258,17 @@ def test_bad_ranks_raise(spec, match):
 def test_rank_wider_than_the_path_raises():
     with pytest.raises(ValueError, match="exceeds"):
         quantize(torch.zeros(2, 64), QuantFormat.parse("int8r128"))
+
+
+@pytest.mark.parametrize("spec, dim, fitted", [("int4", 96, "int4:32"), ("int4:64", 96, "int4:32"),
+                                               ("fp8", 320, "fp8:64"), ("int2", 48, "int2:48"),
+                                               ("int4", 512, "int4"), ("fp4", 24, "fp4"), ("int4", 100, "int4"),
+                                               ("int4:40", 96, "int4:40"), ("int4:t64", 96, "int4:t64")])
+def test_fit_gives_a_default_group_the_path_can_take(spec, dim, fitted):
+    """Only the kind's default group adapts (to a power of two >= 8 dividing the path); a group the user
+    spelled otherwise, NVFP4's 16 and token-axis blocks stay, and check_dim says what would fit."""
+    assert str(QuantFormat.parse(spec).fit(dim)) == fitted
+    if dim % max(QuantFormat.parse(fitted).group, 1) and QuantFormat.parse(fitted).axis == "channel":
+        with pytest.raises(ValueError, match="give a group that does, e.g."):
+            QuantFormat.parse(fitted).check_dim(dim)
+

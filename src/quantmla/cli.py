@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -38,25 +39,18 @@ def cmd_info(args) -> None:
     model_dir = resolve_model_dir(args.model)
     layers = describe(model_dir)
     cfg = CacheConfig(args.content, args.rope).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
-    table = Table(title=f"MLA layers of {model_dir.name} ({layers[0].model_type}, {len(layers)} attentions)")
-    for col in ("idx", "module", "heads", "dc/rope/nope/v", "q path", "rope style", "pair j=1: weights -> cache",
-                "latent scale", "softmax scale"):
-        table.add_column(col)
+    console.print(layers_table(model_dir.name, layers))
     rows = []
     for layer in layers:
         wp, cp = layer.weight_pairs, layer.cache_pairs
-        table.add_row(str(layer.cache_idx), layer.module, str(layer.num_heads),
-                      f"{layer.kv_lora_rank}/{layer.rope_dim}/{layer.nope_dim}/{layer.v_dim}", layer.q_path,
-                      layer.rope_style, f"({wp[1][0]},{wp[1][1]}) -> ({cp[1][0]},{cp[1][1]})",
-                      f"{layer.latent_scale:.4g}", f"{layer.softmax_scale:.4g}")
         bf16 = 2 * (layer.kv_lora_rank + layer.rope_dim)
         quant = bytes_per_token(cfg.content, layer.kv_lora_rank) + bytes_per_token(cfg.rope, layer.rope_dim)
         rows.append({**layer.__dict__, "weight_pairs": wp, "cache_pairs": cp, "bytes_bf16": bf16,
                      "bytes_quantized": quant})
-    console.print(table)
     bf16 = sum(r["bytes_bf16"] for r in rows)
     quant = sum(r["bytes_quantized"] for r in rows)
-    summary = Table(title="Cache bytes per token (all layers, body; sink/recent tokens stay BF16)")
+    summary = Table(title="Cache bytes per token (all layers, body; sink/recent tokens stay BF16)",
+                    box=box.SIMPLE_HEAD)
     for col in ("format", "content", "rope", "bytes/token/layer", "bytes/token", "% of BF16"):
         summary.add_column(col)
     summary.add_row("bf16", "bf16", "bf16", str(rows[0]["bytes_bf16"]), str(bf16), "100.0")
@@ -65,6 +59,38 @@ def cmd_info(args) -> None:
     console.print(summary)
     _write_json(args.json, {"model": str(model_dir), "content": str(cfg.content), "rope": str(cfg.rope),
                             "layers": rows, "bytes_per_token_bf16": bf16, "bytes_per_token": quant})
+
+
+def layers_table(name: str, layers) -> Table:
+    """`info`'s MLA description, readable at 80 columns: one row per run of consecutive layers that agree on
+    every field. The module (layer numbers as *) and the RoPE pair mapping go in the caption where every
+    layer shares them, else in columns of their own."""
+    def fields(layer) -> dict:
+        wp, cp = layer.weight_pairs, layer.cache_pairs
+        return {"module": re.sub(r"\.\d+(?=\.|$)", ".*", layer.module), "heads": str(layer.num_heads),
+                "dc/rope/nope/v": f"{layer.kv_lora_rank}/{layer.rope_dim}/{layer.nope_dim}/{layer.v_dim}",
+                "q path": layer.q_path, "rope style": layer.rope_style, "latent": f"{layer.latent_scale:.4g}",
+                "softmax": f"{layer.softmax_scale:.4g}", "pair j=1": f"({wp[1][0]},{wp[1][1]}) -> ({cp[1][0]},{cp[1][1]})"}
+
+    runs = []  # [first index, last index, fields]
+    for layer in layers:
+        f = fields(layer)
+        if runs and runs[-1][2] == f and runs[-1][1] == layer.cache_idx - 1:
+            runs[-1][1] = layer.cache_idx
+        else:
+            runs.append([layer.cache_idx, layer.cache_idx, f])
+    shared = {k: runs[0][2][k] for k in ("module", "pair j=1") if len({r[2][k] for r in runs}) == 1}
+    caption = "; ".join(([f"modules {shared['module']}"] if "module" in shared else []) +
+                        ([f"RoPE pair j=1: weight rows -> cache coordinates {shared['pair j=1']}"]
+                         if "pair j=1" in shared else []))
+    table = Table(title=f"MLA layers of {name} ({layers[0].model_type}, {len(layers)} attentions)",
+                  caption=caption or None, box=box.SIMPLE_HEAD)
+    cols = [k for k in runs[0][2] if k not in shared]
+    for col in ["layers", *cols]:
+        table.add_column(col)
+    for first, last, f in runs:
+        table.add_row(str(first) if first == last else f"{first}-{last}", *(f[k] for k in cols))
+    return table
 
 
 def _check_length(model, length: int) -> None:
@@ -77,6 +103,11 @@ def _check_length(model, length: int) -> None:
 
 
 # ---------------------------------------------------------------- analyze
+def _ratio(x: float) -> str:
+    """2 decimals where that shows the value (0.1 to 10000x), else 3 significant digits in e-notation."""
+    return f"{x:.2f}" if 0.1 <= x < 1e4 else f"{x:.2e}"
+
+
 def cmd_analyze(args) -> None:
     from quantmla.analysis.amplification import amplification, plot
     from quantmla.config import CacheConfig
@@ -96,17 +127,19 @@ def cmd_analyze(args) -> None:
     result = amplification(model, layers, batch, args.nmse, args.seed, policy=CacheConfig(sink=args.sink,
                                                                                       recent=args.recent))
 
-    table = Table(title=f"Attention-output NMSE with cache NMSE {args.nmse:g} in one path of one layer")
-    for col in ("layer", "content: before o_proj", "content: after o_proj", "rope: before o_proj",
-                "rope: after o_proj", "ratio rope/content"):
+    table = Table(title=f"Attention-output NMSE with cache NMSE {args.nmse:g} in one path of one layer",
+                  caption="before / after: the heads' output before o_proj, the layer's after it; "
+                          "ratio: rope after / content after",
+                  box=box.SIMPLE_HEAD)
+    for col in ("layer", "content before", "content after", "rope before", "rope after", "ratio"):
         table.add_column(col, justify="right")
     for r in result.layers:
         table.add_row(str(r.layer), f"{r.content_heads_nmse:.3e}", f"{r.content_out_nmse:.3e}",
-                      f"{r.rope_heads_nmse:.3e}", f"{r.rope_out_nmse:.3e}", f"{r.ratio:.2f}")
+                      f"{r.rope_heads_nmse:.3e}", f"{r.rope_out_nmse:.3e}", _ratio(r.ratio))
     table.add_section()
-    table.add_row("mean", "", "", "", "", f"{result.mean_ratio:.2f}")
+    table.add_row("mean", "", "", "", "", _ratio(result.mean_ratio))
     console.print(table)
-    e2e = Table(title="End to end: the same NMSE in one path of every layer")
+    e2e = Table(title="End to end: the same NMSE in one path of every layer", box=box.SIMPLE_HEAD)
     for col in ("noise in", "next-token KL (nats)", "perplexity", "clean perplexity"):
         e2e.add_column(col, justify="right")
     for path, s in result.end_to_end.items():
@@ -114,7 +147,7 @@ def cmd_analyze(args) -> None:
     console.print(e2e)
     _write_json(args.json, {"model": str(model_dir), **result.to_dict()})
     if args.plot:
-        plot(result, args.plot, f"{model_dir.name}: RoPE/content amplification, mean {result.mean_ratio:.2f}x")
+        plot(result, args.plot, f"{model_dir.name}: RoPE/content amplification, mean {_ratio(result.mean_ratio)}x")
         console.print(f"wrote {args.plot}")
 
 
@@ -286,17 +319,9 @@ def cmd_eval(args) -> None:
     r = evaluate(model, tokenizer_for(model_dir), args.method, method_args, settings, text_path=args.data)
     d = r.to_dict()
 
-    table = Table(title=f"{model_dir.name}: method {r.method} (cache bytes measured at {r.bytes_length} tokens)")
-    for col in ("method", "content", "rope", "sink", "recent", "bytes/token/layer", "% of BF16", "body B/token",
-                "ppl", "ppl BF16", "KL to BF16"):
-        table.add_column(col, justify="right")
-    num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
-    table.add_row(r.method, r.content, r.rope, str(r.sink), str(r.recent), f"{r.bytes_per_token:.1f}",
-                  f"{d['percent_of_bf16']:.1f}", str(r.bytes_per_token_body), num(r.ppl, ".4f"),
-                  num(r.ppl_bf16, ".4f"), num(r.kl, ".3e"))
-    console.print(table)
+    console.print(result_table(model_dir.name, r))
     if r.niah:
-        needles = Table(title="Needle retrieval accuracy (greedy answer, exact match)")
+        needles = Table(title="Needle retrieval, % exact (greedy answer)", box=box.SIMPLE_HEAD)
         needles.add_column("task")
         for length in settings.lengths:
             needles.add_column(str(length), justify="right")
@@ -305,6 +330,27 @@ def cmd_eval(args) -> None:
         console.print(needles)
     console.print(f"took {r.seconds:.1f} s")
     _write_json(args.json, {"model": str(model_dir), **d})
+
+
+def result_table(name: str, r) -> Table:
+    """`eval`'s result as field / value rows: readable at 80 columns whatever the formats' names."""
+    from quantmla.eval.suite import LONG_CONTEXT
+
+    num = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
+    table = Table(title=f"{name}: method {r.method}", box=box.SIMPLE_HEAD)
+    table.add_column("")
+    table.add_column("value", overflow="fold")
+    for field, value in (
+            ("content / rope", f"{r.content} / {r.rope}"), ("BF16 sink + recent", f"{r.sink} + {r.recent} tokens"),
+            (f"bytes/token/layer @{r.bytes_length}", f"{r.bytes_per_token:.1f} "
+             f"({100 * r.bytes_per_token / r.bytes_per_token_bf16:.1f} % of BF16)"),
+            (f"bytes/token/layer @{LONG_CONTEXT // 1024}K", f"{r.bytes_per_token_long:.1f} "
+             f"({100 * r.bytes_per_token_long / r.bytes_per_token_bf16:.2f} % of BF16)"),
+            ("one quantized token", f"{r.bytes_per_token_body:g} B/layer"),
+            ("perplexity / BF16's", f"{num(r.ppl, '.4f')} / {num(r.ppl_bf16, '.4f')}"),
+            ("KL to BF16 (nats/token)", num(r.kl, ".3e"))):
+        table.add_row(field, value)
+    return table
 
 
 def cmd_lm_eval(args) -> None:

@@ -119,7 +119,9 @@ class QuantFormat:
     def check_dim(self, dim: int, path: str = "cache") -> None:
         """Raise if the group size does not divide the path's width."""
         if self.group and self.axis == "channel" and dim % self.group:
-            raise ValueError(f"{path} format {self}: group {self.group} does not divide its {dim} channels")
+            fits = max(g for g in range(1, min(self.group, dim) + 1) if dim % g == 0)
+            raise ValueError(f"{path} format {self}: group {self.group} does not divide its {dim} channels; "
+                             f"give a group that does, e.g. {self.kind}:{fits}")
         if self.bits in (4, 2) and dim % (8 // self.bits):
             raise ValueError(f"{path} format {self}: {dim} channels cannot be packed {8 // self.bits} per byte")
         if self.bits == 3 and dim % 8:
@@ -128,9 +130,18 @@ class QuantFormat:
             raise ValueError(f"{path} format {self}: rank {self.rank} exceeds its {dim} channels")
 
     def fit(self, dim: int) -> QuantFormat:
-        """This format for a path of `dim` channels: a group wider than the path becomes the whole path."""
-        if self.group > dim and self.axis == "channel" and not self.rank:
+        """This format for a path of `dim` channels: a group wider than the path becomes the whole path; the
+        kind's default group where it does not divide the path becomes the largest power of two (>= 8) that
+        does, e.g. int4 on 96 channels int4:32 (powers of two: what the decode kernels take). Any other
+        group is kept as given (`check_dim` then says what is wrong)."""
+        if self.axis != "channel" or self.rank or not self.group:
+            return self
+        if self.group > dim:
             return QuantFormat(self.kind, dim, clip=self.clip)
+        if dim % self.group and self.group == DEFAULT_GROUP[self.kind] and self.kind != "fp4":  # NVFP4: 16
+            fits = dim & -dim  # the largest power of two dividing dim
+            if fits >= 8:
+                return QuantFormat(self.kind, min(fits, self.group), clip=self.clip)
         return self
 
     def __str__(self) -> str:

@@ -38,7 +38,7 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                                   kv_lora_rank=32, qk_rope_head_dim=8, scale_emb=2.0, scale_depth=1.4,
                                   dim_model_base=32)),
     "youtu": ("youtu", dict(_COMMON, num_hidden_layers=2, q_lora_rank=24, intermediate_size=96,
-                            rope_interleave=True)),
+                            rope_interleave=True, bos_token_id=1, eos_token_id=2)),  # its defaults exceed 128
 }
 
 
