@@ -136,3 +136,18 @@ def test_cli_hands_its_arguments_to_lm_eval(monkeypatch):
     argv = ["run", "--model", "quantmla", "--model_args", "method=rtn,content=int2", "--tasks", "x"]
     assert main(["lm-eval", *argv]) == 0
     assert seen == [["lm-eval", *argv]] and get_model("quantmla") is QuantMLALM
+
+
+@pytest.mark.parametrize("model_args, error, says", [
+    (dict(pretrained="/nonexistent/checkpoint"), FileNotFoundError, "model directory not found"),
+    (dict(contnet="int2"), ValueError, "did you mean 'content'"),
+    (dict(sink="abc"), ValueError, "sink='abc': expected a whole number"),
+    (dict(chunk=-1), ValueError, "chunk must be >= 0, got -1"),
+    (dict(method="rtn", budget=0.2), ValueError, "takes no byte budget"),  # budget is read, and checked
+    (dict(method="nope"), ValueError, "unknown method 'nope'"),
+])
+def test_bad_model_args_fail_before_the_model_loads_and_say_why(model_args, error, says):
+    from quantmla.eval.lm_eval_bridge import QuantMLALM
+
+    with pytest.raises(error, match=says):
+        QuantMLALM(**model_args)

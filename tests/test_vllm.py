@@ -69,6 +69,25 @@ def test_cache_config_precedence(monkeypatch):
     assert settings.cache_config_for(HF)[0] == CacheConfig("int4", "int4")
 
 
+def test_who_asked_for_quantization(monkeypatch):
+    """What the non-MLA guard refuses on: a model vLLM does not run as MLA (its MiniCPM3) must not be served in
+    BF16 unnoticed when the environment or a calibrated checkpoint's section asks for a quantized cache."""
+    class Calibrated:
+        quantmla = {"method": "quantmla", "content": "int2", "rope": "int4", "sink": 4, "recent": 64}
+
+    class BF16Section:
+        quantmla = {"content": "bf16", "rope": "bf16"}
+
+    monkeypatch.delenv(settings.ENV, raising=False)
+    assert settings.quantization_asked(Calibrated) == "the checkpoint's quantmla section"
+    assert settings.quantization_asked(BF16Section) is None
+    assert settings.quantization_asked(object()) is None and settings.quantization_asked(None) is None
+    monkeypatch.setenv(settings.ENV, "int4,int4")
+    assert settings.quantization_asked(object()) == f"{settings.ENV}=int4,int4"
+    monkeypatch.setenv(settings.ENV, "bf16")  # asked explicitly for no quantization: served unquantized
+    assert settings.quantization_asked(Calibrated) is None
+
+
 # ----------------------------------------------------------------------------------------------------------
 # layout: quantmla's pools as views of vLLM's [num_blocks, block_size, C] tensor
 

@@ -19,6 +19,7 @@ model_args (besides HFLM's own: device, dtype, batch_size, max_length, ...):
   pretrained   local checkpoint directory; default: quantmla's shipped default model
   method       a name from quantmla.eval.methods.METHODS (bf16, fp8, fp8-content, rtn, rtn-content, ...)
   content, rope, sink, recent   the method's options, as `quantmla eval` spells them
+  budget       quantmla only: the cache as a fraction of BF16's at 128 K tokens, formats chosen per layer
   chunk        0 (default): one forward per loglikelihood call, as HFLM does. Tokens are quantized when they
                leave the recent window at the end of that forward, so a scored continuation of L tokens sees
                up to L - 1 of its oldest window tokens quantized early: nearly exact for short continuations
@@ -32,14 +33,40 @@ slots and shift its window; use batch_size=1 for generation tasks when exactness
 
 from __future__ import annotations
 
+import difflib
+import inspect
+
 import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from quantmla.cache.quant_cache import QuantMLACache
 from quantmla.data import default_model_dir
-from quantmla.eval.methods import MethodArgs, apply_method
-from quantmla.models.adapters import cache_kwargs
+from quantmla.eval.methods import MethodArgs, apply_method, check_method
+from quantmla.models.adapters import cache_kwargs, check_checkpoint_dir
+
+OPTIONS = ("pretrained", "method", "content", "rope", "sink", "recent", "budget", "chunk")
+
+
+def _whole(name: str, value) -> int:
+    """A model_args value that must be a whole number (lm-eval hands over "4" as 4, "4.0" as 4.0)."""
+    try:
+        number = float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"model_args {name}={value!r}: expected a whole number") from None
+    if number != int(number):
+        raise ValueError(f"model_args {name}={value!r}: expected a whole number")
+    return int(number)
+
+
+def _check_names(kwargs: dict) -> None:
+    """A model_arg that is neither HFLM's nor ours but close to one of ours is a typo: refuse it here, before
+    it reaches from_pretrained as an unknown keyword. Others pass through to HFLM (and the model) as before."""
+    hflm = set(inspect.signature(HFLM.__init__).parameters)
+    for name in kwargs:
+        if name not in hflm and (close := difflib.get_close_matches(name, OPTIONS, n=1, cutoff=0.7)):
+            raise ValueError(f"unknown model_args {name!r}; did you mean {close[0]!r}? quantmla's: "
+                             f"{', '.join(OPTIONS)}")
 
 
 @register_model("quantmla")
@@ -47,19 +74,26 @@ class QuantMLALM(HFLM):
     """HFLM whose forwards and generations run through QuantMLACache(cache_config)."""
 
     def __init__(self, pretrained=None, method: str = "bf16", content: str | None = None, rope: str | None = None,
-                 sink: int | None = None, recent: int | None = None, chunk: int = 0, **kwargs):
+                 sink: int | None = None, recent: int | None = None, budget: float | None = None, chunk: int = 0,
+                 **kwargs):
+        _check_names(kwargs)
         if pretrained is None:
             pretrained = str(default_model_dir())
         if isinstance(pretrained, str):
+            check_checkpoint_dir(pretrained)  # a local directory: no machine here reaches a model hub
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-        super().__init__(pretrained=pretrained, **kwargs)
-        if int(chunk) < 0:
-            raise ValueError(f"chunk must be >= 0, got {chunk}")
+        chunk = _whole("chunk", chunk)
+        if chunk < 0:
+            raise ValueError(f"model_args chunk must be >= 0, got {chunk}")
         # lm-eval parses model_args values itself: "int4" stays a string, "4" becomes an int.
         args = MethodArgs(None if content is None else str(content), None if rope is None else str(rope),
-                          None if sink is None else int(sink), None if recent is None else int(recent))
+                          None if sink is None else _whole("sink", sink),
+                          None if recent is None else _whole("recent", recent),
+                          None if budget is None else float(budget))
+        check_method(method, args)  # before the model loads: a bad option costs nothing
+        super().__init__(pretrained=pretrained, **kwargs)
         self._model, self.cache_config = apply_method(method, self._model, args)
-        self.method, self.chunk = method, int(chunk)
+        self.method, self.chunk = method, chunk
 
     def _cache_kwargs(self) -> dict:
         return cache_kwargs(self.model, QuantMLACache(self.cache_config))

@@ -34,11 +34,15 @@ class QuantMLACPUBackend(QuantMLABackendMixin, CPUMLABackend):
 
 class _NonMLAGuardImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
-        if settings.requested():
-            vllm_config = get_current_vllm_config_or_none()
-            model = vllm_config.model_config.model if vllm_config and vllm_config.model_config else "this model"
-            raise ValueError(f"{settings.ENV} asks for quantmla's cache, but {model} does not use MLA "
-                             f"(multi-head latent attention): quantmla only quantizes MLA caches. Unset {settings.ENV}.")
+        vllm_config = get_current_vllm_config_or_none()
+        model_config = vllm_config.model_config if vllm_config else None
+        asked = settings.quantization_asked(model_config.hf_config if model_config else None)
+        if asked:
+            model = model_config.model if model_config else "this model"
+            raise ValueError(f"{asked} asks for quantmla's cache, but vLLM runs {model} with ordinary attention: it "
+                             "does not use MLA (multi-head latent attention): quantmla only quantizes MLA caches. "
+                             "(vLLM's MiniCPM3 is such a model: it expands the latent into per-head keys and values.) "
+                             f"Serve it with `quantmla serve`, or set {settings.ENV}=bf16 to run it unquantized.")
         super().__init__(*args, **kwargs)
 
 

@@ -44,6 +44,14 @@ def cache_config_for(hf_config) -> tuple[CacheConfig, str]:
     return CacheConfig.bf16(), "default (no quantmla section, no " + ENV + ")"
 
 
-def requested() -> bool:
-    """Whether the user explicitly asked for quantmla's cache (so a model it cannot serve is an error)."""
-    return bool(os.environ.get(ENV, "").strip())
+def quantization_asked(hf_config) -> str | None:
+    """Who asked for a quantized cache (so that a model vLLM does not run as MLA is an error rather than
+    served in BF16 unnoticed): QUANTMLA_VLLM_CACHE other than "bf16", else the checkpoint's quantmla
+    section; None if nobody did."""
+    spec = os.environ.get(ENV, "").strip()
+    if spec:
+        return None if parse_spec(spec) == CacheConfig.bf16() else f"{ENV}={spec}"
+    section = getattr(hf_config, "quantmla", None)
+    if isinstance(section, dict) and CacheConfig.from_dict(section).per_layer != CacheConfig.bf16().per_layer:
+        return "the checkpoint's quantmla section"
+    return None
