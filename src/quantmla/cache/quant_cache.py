@@ -162,8 +162,8 @@ class PathStore:
                              f"{self.block} tokens")
 
     def crop_last(self, n: int) -> None:
-        """Drop the last n tokens, from the recent window first, then staging, the body, then the sink."""
-        self.check_crop(n)
+        """Drop the last n tokens, from the recent window first, then staging, the body, then the sink
+        (`check_crop` first: a cut through a block would be wrong)."""
         for part in ("recent", "staging"):
             cut = min(n, getattr(self, part).shape[-2])
             setattr(self, part, _drop_last(getattr(self, part), cut))
@@ -250,12 +250,15 @@ class QuantMLALayer(DynamicLayer):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Remove the last -tokens_to_remove tokens (transformers' convention: a negative count)."""
-        if tokens_to_remove > 0:
-            raise ValueError("crop takes a negative count of tokens to remove, as DynamicLayer.crop does")
-        for p in self._paths():  # both paths can be cut, or neither is
-            p.check_crop(-tokens_to_remove)
+        self.check_crop(tokens_to_remove)  # both paths can be cut, or neither is
         for p in self._paths():
             p.crop_last(-tokens_to_remove)
+
+    def check_crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            raise ValueError("crop takes a negative count of tokens to remove, as DynamicLayer.crop does")
+        for p in self._paths():
+            p.check_crop(-tokens_to_remove)
 
     def _map(self, fn) -> None:
         for p in self._paths():
@@ -309,10 +312,8 @@ class QuantMLACache(Cache):
     def crop(self, tokens_to_remove: int) -> None:
         """`QuantMLALayer.crop` on every layer, checked on all of them before any is cut: a crop through a
         token-axis block raises and leaves the cache as it was."""
-        if tokens_to_remove < 0:
-            for layer in self.layers:
-                for p in layer._paths():
-                    p.check_crop(-tokens_to_remove)
+        for layer in self.layers:
+            layer.check_crop(tokens_to_remove)
         super().crop(tokens_to_remove)
 
     def memory_bytes(self) -> int:

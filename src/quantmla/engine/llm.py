@@ -91,6 +91,15 @@ def _cache_config(section: CacheConfig | None, content, rope, sink, recent) -> C
                        base.recent if recent is None else recent, layers=layers)
 
 
+class TooLong(ValueError):
+    """A request the model's limit or the whole pool cannot hold; `param` is whose fault: "prompt" when the
+    prompt alone leaves no room for output, else "max_tokens"."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
 class LLM:
     def __init__(self, model: str | Path | nn.Module | None = None, content: str | None = None,
                  rope: str | None = None, sink: int | None = None, recent: int | None = None,
@@ -164,6 +173,8 @@ class LLM:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
+        """Queue a request; its id. ValueError for a request it cannot run (`TooLong`: the model's limit or
+        the whole pool), nothing queued then."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -176,13 +187,15 @@ class LLM:
         vocab = self.model.config.get_text_config().vocab_size
         if min(ids) < 0 or max(ids) >= vocab:
             raise ValueError(f"prompt token ids must be in [0, {vocab}), got {min(ids)}..{max(ids)}")
-        total = len(ids) + params.max_tokens
-        if total > self.max_model_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds "
-                             f"the model's limit of {self.max_model_len} tokens")
-        if self.blocks.blocks_for(total) > self.blocks.num_blocks:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) = {total} tokens "
-                             f"exceeds the whole KV pool ({self.capacity_tokens} tokens)")
+        n, total = len(ids), len(ids) + params.max_tokens
+        for limit, what in ((self.max_model_len, "the model's limit of"), (self.capacity_tokens,
+                                                                           "the whole KV pool of")):
+            if n >= limit:
+                raise TooLong(f"the prompt ({n} tokens) leaves no room for output within {what} {limit} tokens",
+                              "prompt")
+            if total > limit:
+                raise TooLong(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds {what} "
+                              f"{limit} tokens", "max_tokens")
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")

@@ -400,26 +400,13 @@ class Server:
             return prompt
         return await self.on_text_thread(lambda: self.tokenizer.encode(prompt, add_special_tokens=False))
 
-    def check_length(self, prompt_ids: list[int], max_tokens: int | None) -> None:
-        """The model's limit and the whole KV pool (the engine checks both too), with the fault put on the
-        prompt where it alone leaves no room for output, else on max_tokens (None: the server picks it)."""
-        n = len(prompt_ids)
-        for limit, what in ((self.max_model_len, "the model's limit of"), (self.llm.capacity_tokens,
-                                                                            "the whole KV pool of")):
-            if n >= limit:
-                raise APIError(400, f"the prompt ({n} tokens) leaves no room for output within {what} {limit} "
-                                    "tokens", "prompt")
-            if max_tokens is not None and n + max_tokens > limit:
-                raise APIError(400, f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} exceeds "
-                                    f"{what} {limit} tokens", "max_tokens")
-
     async def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
                     prefix: str) -> _Job:
         request_id = f"{prefix}-{uuid.uuid4().hex}"
         try:
             outputs = await self.engine.submit(request_id, prompt_ids, params)
-        except ValueError as e:  # the engine's own checks: too long for the model, larger than the pool
-            raise APIError(400, str(e), "prompt") from None
+        except ValueError as e:  # the engine's own checks: too long for the model, larger than the pool, ...
+            raise APIError(400, str(e), getattr(e, "param", "prompt")) from None
         return _Job(request_id, len(prompt_ids), outputs, TextStream(self.tokenizer, stop))
 
     async def chunks(self, job: _Job, request: Request) -> AsyncIterator[Chunk]:
@@ -584,7 +571,6 @@ def build_app(llm) -> FastAPI:
         req.refuse_unsupported()
         prompt_ids = await server.encode(req.prompt)
         params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens)  # OpenAI's default
-        server.check_length(prompt_ids, params.max_tokens)
         job = await server.start(prompt_ids, params, stop_strings(req.stop), "cmpl")
         return await _respond(server, req, job, request, chat=False)
 
@@ -594,7 +580,6 @@ def build_app(llm) -> FastAPI:
         req.refuse_unsupported()
         prompt_ids = await server.encode(await server.on_text_thread(chat_prompt, server.tokenizer, req.messages))
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
-        server.check_length(prompt_ids, max_tokens)
         if max_tokens is None:  # OpenAI's default: as much as the context (and the whole pool) leaves
             max_tokens = max(min(server.max_model_len, server.llm.capacity_tokens) - len(prompt_ids), 1)
         job = await server.start(prompt_ids, sampling_params(req, max_tokens), stop_strings(req.stop), "chatcmpl")
