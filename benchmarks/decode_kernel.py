@@ -6,7 +6,8 @@
 
 Grid: batch {1, 16, 64} x context {4K, 16K, 64K} x heads {16, 128}, kv_lora_rank 512, rope 64, page 64,
 sink 4 + recent 128 BF16 tokens for the quantized formats. Formats: bf16 (the baseline kernel: same design,
-bf16 body, no protected rows), int4/int4, int2-content/int4-rope, fp8-content/bf16-rope.
+bf16 body, no protected rows), int4/int4, int2-content/int4-rope, fp8-content/bf16-rope (FlashMLA's 656 B
+layout), fp8:0/fp8:0 (vLLM's 576 B FP8 cache: e4m3 with scale 1.0 on both paths and no BF16 window).
 
 For every row: a correctness check of the kernel (first and last sequence) against the fp64 reference on
 the dequantized cache, then the median GPU time of the call replayed as a CUDA graph (CUDA events, L2
@@ -62,6 +63,7 @@ FORMATS = {
     "int4/int4": ("int4", "int4"),
     "int2/int4": ("int2", "int4"),
     "fp8/bf16": ("fp8", "bf16"),
+    "fp8:0/fp8:0": ("fp8:0", "fp8:0", 0, 0),  # vLLM's 576 B FP8 cache: scale 1.0, no BF16 window
 }
 K = KernelConfig
 # Launch candidates per head class: (block_h, block_n, num_warps, num_stages, ...).
@@ -404,7 +406,7 @@ def table(meta, rows) -> str:
         f"Card: {meta['card']} ({meta['sms']} SMs); measured device-to-device copy {meta['copy_GBps']:.0f} GB/s "
         f"(read + write). Date: {meta['date']}. torch {meta['torch']}, triton {meta['triton']}.",
         f"Command: `{meta['command']}`. kv_lora_rank 512, rope 64, page 64, sink 4 + recent 128 BF16 tokens "
-        "(quantized formats). Median of CUDA-graph replays timed by CUDA events, L2 flushed. "
+        "(quantized formats, fp8:0/fp8:0 none). Median of CUDA-graph replays timed by CUDA events, L2 flushed. "
         "GB/s counts cache + queries + "
         "block table + output bytes; TFLOP/s counts 2*H*L*(dc+dr) + 2*H*L*dc per sequence; x = speedup over "
         "the Triton bf16 kernel; torch = plain-torch decode on the dequantized contiguous bf16 cache; kernel = the "

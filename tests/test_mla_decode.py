@@ -316,6 +316,7 @@ CASES = [
     (("int4", "int4:32"), 256, 32, 20, 1, torch.float32),
     (("int2", "int4:32"), 256, 32, 16, 2, torch.float32),
     (("fp8", "bf16"), 256, 32, 16, 1, torch.bfloat16),
+    (("fp8:0", "fp8:0"), 512, 64, 16, 2, torch.float32),  # per-tensor (scale 1.0): no scale rows read
     # ranked content: only the stored groups are read (a power of two of them, or not)
     (("int8r128", "int4"), 512, 64, 16, 2, torch.float32),
     (("int4:32r96", "int4:32"), 256, 32, 16, 1, torch.float32),
@@ -420,6 +421,7 @@ GPU_CASES = [
     ("int4", "int4", True),
     ("int2", "int4", True),
     ("fp8", "bf16", True),
+    ("fp8:0", "fp8:0", True),
     ("int4", "int4", False),  # the plain-Triton dequantization, on the GPU
     ("int4", "int4:t64", True),  # token-axis (KIVI) rope: per-channel scales per block of 64 tokens
     ("int8r128", "int4", True),  # ranked content: the PTX path with the unstored groups masked to 0
