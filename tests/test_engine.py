@@ -402,9 +402,10 @@ def test_sampler_draws_from_the_filtered_distribution():
     assert set(draws.tolist()) == {0, 1, 2}
 
 
-@pytest.mark.parametrize("temperature", [1e-30, 1e-40, 1e-45])
+@pytest.mark.parametrize("temperature", [1e-6, 1e-30, 1e-40, 1e-45, 1e-46, 5e-324])
 def test_a_tiny_temperature_samples_the_argmax(temperature):
-    """logits / 1e-40 overflow to inf (NaN probabilities, token 0): the sampler must act as greedy instead."""
+    """logits / 1e-40 overflow to inf, and 1e-46 is 0 in fp32 (0 / 0: NaN probabilities, token 0): the
+    sampler must act as greedy instead."""
     from quantmla.engine.sampler import sample
 
     logits = torch.tensor([[-3.0, 5.0, 4.0, 1.0], [2.0, -1.0, 0.5, 7.0]])
@@ -412,6 +413,16 @@ def test_a_tiny_temperature_samples_the_argmax(temperature):
     for top_k, top_p in ((0, 1.0), (2, 1.0), (0, 0.9)):
         params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)] * 2
         assert sample(logits, params, [None, None], g) == [1, 3]
+
+
+@pytest.mark.parametrize("top_p", [1e-10, 1e-46, 5e-324])
+def test_a_tiny_top_p_keeps_the_most_likely_token(top_p):
+    """A top_p that rounds to 0 in fp32 dropped every token (NaN probabilities, token 0)."""
+    from quantmla.engine.sampler import sample
+
+    logits = torch.tensor([[-3.0, 5.0, 4.0, 1.0], [2.0, -1.0, 0.5, 7.0]])
+    params = [SamplingParams(temperature=1.0, top_p=top_p)] * 2
+    assert sample(logits, params, [None, None], torch.Generator().manual_seed(0)) == [1, 3]
 
 
 def test_calibrated_checkpoint_selects_its_formats(tmp_path):

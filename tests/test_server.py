@@ -132,7 +132,8 @@ def good_request_works(served: Served):
 def test_models_health_and_metrics(served):
     r = served.client.get("/v1/models").json()
     assert r["object"] == "list" and [m["id"] for m in r["data"]] == [served.llm.model_name]
-    assert r["data"][0]["max_model_len"] == served.llm.max_model_len
+    # what one request can get: the model's limit, or the pool where that holds fewer tokens
+    assert r["data"][0]["max_model_len"] == min(served.llm.max_model_len, served.llm.capacity_tokens)
     assert served.client.get("/health").json() == {"status": "ok"}
     m = metrics(served)
     assert m["quantmla_kv_pages_total"] == served.stats()["pages_total"] > 0
@@ -208,7 +209,7 @@ def test_stop_string_trims_and_frees_the_request(served, streaming):
     cut = text[: text.index(stop)]
     assert 0 < len(cut) < len(text) - 2
     body = {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "stop": ["never there", stop]}
-    before = served.wait_idle()["tokens_generated"]
+    before = served.wait_idle()
     if streaming:
         events = stream(served.client, "/v1/completions", body)
         got, reason = streamed_text(events, False), events[-1]["choices"][0]["finish_reason"]
@@ -216,8 +217,10 @@ def test_stop_string_trims_and_frees_the_request(served, streaming):
         choice = served.client.post("/v1/completions", json=body).json()["choices"][0]
         got, reason = choice["text"], choice["finish_reason"]
     assert got == cut and reason == "stop"
-    after = served.wait_idle()["tokens_generated"]
-    assert after - before < MAX_TOKENS  # aborted in the engine at the stop string, not run to max_tokens
+    after = served.wait_idle()
+    assert after["tokens_generated"] - before["tokens_generated"] < MAX_TOKENS  # aborted at the stop string
+    finished = {r: after["finished"].get(r, 0) - before["finished"].get(r, 0) for r in ("stop", "abort")}
+    assert finished == {"stop": 1, "abort": 0}  # /metrics counts it as the client saw it
 
 
 # --------------------------------------------------------------------------------------------- detokenization
@@ -261,6 +264,14 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "seed": 2**64}, 400, "seed", None),  # torch's generators take 64 bits
     ("/v1/completions", {"prompt": "x", "n": 2}, 400, "n", None),
     ("/v1/completions", {"prompt": "x", "stop": [""]}, 400, "stop", None),
+    ("/v1/completions", {"prompt": "x", "stop": [f"s{i}" for i in range(17)]}, 400, "stop", None),  # > 16
+    ("/v1/completions", {"prompt": "x", "stop": "y" * 1025}, 400, "stop", None),  # > 1024 characters
+    ("/v1/completions", '{"prompt": "a\\ud800b"}', 400, "prompt", None),  # a lone surrogate: no UTF-8
+    ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
+     "stream_options", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]},
+     400, "messages", None),
+    ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages", None),
     ("/v1/completions", {"prompt": "x", "stream": True, "n": 3}, 400, "n", None),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("/v1/completions", {"prompt": "x" * 5000, "max_tokens": 1}, 400, "prompt", None),  # > the pool
@@ -283,6 +294,13 @@ BAD = [
     # a prompt over the model's limit is the prompt's fault, also where the server picks max_tokens
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x" * 5000}]}, 400, "prompt", None),
 ]
+
+
+def test_error_messages_say_what_was_expected(served):
+    r = served.client.post("/v1/completions", json={"prompt": ["a", "b"]})
+    assert "one string or one list of token ids" in r.json()["error"]["message"]
+    r = served.client.post("/v1/completions", data={"prompt": "x"})  # a form, as `curl -d` sends
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path, body, status, param, code", BAD)

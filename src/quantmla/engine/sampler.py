@@ -13,11 +13,15 @@ from dataclasses import dataclass
 import torch
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample the argmax (vLLM's threshold too)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """What a request asks for.
 
-    max_tokens: tokens to generate (>= 1); temperature: 0 = greedy; top_p in (0, 1]; top_k: 0 = off;
+    max_tokens: tokens to generate (>= 1); temperature: 0 = greedy (so is any below GREEDY_BELOW, where
+    dividing fp32 logits by it overflows); top_p in (0, 1] (the most likely token always stays); top_k: 0 = off;
     seed: None = the engine's shared generator; stop_token_ids: extra ids that end the output (the model's
     eos always does, unless ignore_eos).
     """
@@ -46,7 +50,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -63,6 +67,7 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
         sorted_p, order = torch.sort(probs, descending=True)
         # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
         drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        drop[0] = False  # the most likely token stays, also for a top_p that rounds to 0 in fp32
         probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
         probs = probs / probs.sum()
     return probs

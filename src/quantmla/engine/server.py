@@ -31,6 +31,7 @@ from collections import Counter, deque
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -61,6 +62,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_id: str
+    reason: str = "abort"  # how /metrics counts it: "stop" for a stop string the server matched
 
 
 _STOP = object()
@@ -111,8 +113,8 @@ class EngineLoop:
             raise
         return outputs
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(_Abort(request_id))
+    def abort(self, request_id: str, reason: str = "abort") -> None:
+        self._commands.put(_Abort(request_id, reason))
 
     def stats(self) -> dict:
         now = time.monotonic()
@@ -145,7 +147,7 @@ class EngineLoop:
                 if cmd is _STOP:
                     self._fail_all(RuntimeError("the server is shutting down"))
                     return
-                self._add(cmd) if isinstance(cmd, _Add) else self._abort(cmd.request_id)
+                self._add(cmd) if isinstance(cmd, _Add) else self._abort(cmd.request_id, cmd.reason)
             if self.llm.has_unfinished():
                 self._step()
             self._publish()
@@ -161,11 +163,11 @@ class EngineLoop:
         self._sinks[cmd.request_id] = (cmd.loop, cmd.outputs)
         cmd.accepted.set_result(cmd.request_id)
 
-    def _abort(self, request_id: str) -> None:
+    def _abort(self, request_id: str, reason: str = "abort") -> None:
         self.llm.abort(request_id)
         if self._sinks.pop(request_id, None) is not None:
             with self._lock:
-                self._finished["abort"] += 1
+                self._finished[reason] += 1
 
     def _step(self) -> None:
         try:
@@ -255,7 +257,7 @@ class Chunk:
 
 # ---------------------------------------------------------------------------------------------- requests
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 # OpenAI options this server does not implement, with the values that change nothing: any other value is
@@ -295,7 +297,7 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TextPart(BaseModel):
-    type: str = "text"
+    type: Literal["text"] = "text"  # images and audio: a 400, not their caption read as text
     text: str
 
 
@@ -305,8 +307,8 @@ class ChatMessage(BaseModel):
 
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(p.text for p in self.content)
-        return self.content or ""
+            return check_text("".join(p.text for p in self.content), "messages")
+        return check_text(self.content or "", "messages")
 
 
 class ChatRequest(_SamplingRequest):
@@ -343,11 +345,30 @@ def chat_prompt(tokenizer, messages: list[ChatMessage]) -> str:
     return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: "
 
 
+MAX_STOPS, MAX_STOP_CHARS = 16, 1024  # every chunk of every request scans its stops on the one text thread
+
+
 def stop_strings(stop: str | list[str] | None) -> tuple[str, ...]:
     stop = [stop] if isinstance(stop, str) else list(stop or [])
     if any(not s for s in stop):
         raise APIError(400, "stop strings must not be empty", "stop")
+    if len(stop) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stop):
+        raise APIError(400, f"at most {MAX_STOPS} stop strings of at most {MAX_STOP_CHARS} characters each "
+                            f"(got {len(stop)}, the longest {max(map(len, stop))})", "stop")
+    for s in stop:
+        check_text(s, "stop")
     return tuple(stop)
+
+
+def check_text(text: str, param: str) -> str:
+    """text if it is valid Unicode (JSON's \ud800 escapes can carry lone surrogates, which no tokenizer
+    encodes); else a 400 naming the first bad character."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise APIError(400, f"{param} is not valid Unicode: a lone surrogate {text[e.start]!r} at character "
+                            f"{e.start}", param) from None
+    return text
 
 
 def sampling_params(req: _SamplingRequest, max_tokens: int) -> SamplingParams:
@@ -398,6 +419,7 @@ class Server:
         """Token ids as llm.add_request would make them (no special tokens added); the engine checks them."""
         if not isinstance(prompt, str):
             return prompt
+        check_text(prompt, "prompt")
         return await self.on_text_thread(lambda: self.tokenizer.encode(prompt, add_special_tokens=False))
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
@@ -442,7 +464,7 @@ class Server:
                     return
         finally:
             if not engine_done:
-                self.engine.abort(job.request_id)
+                self.engine.abort(job.request_id, "stop" if job.text.stopped else "abort")
 
     def usage(self, job: _Job) -> dict:
         completion = len(job.text.token_ids)
@@ -523,7 +545,8 @@ def metrics_text(stats: dict) -> str:
     for name, kind, help_text, value in rows:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
     name = "quantmla_requests_finished_total"
-    lines += [f"# HELP {name} Requests finished, by reason (abort: stop string or client gone).",
+    lines += [f"# HELP {name} Requests finished, by reason (stop: eos or a stop string; abort: the client went "
+              "away or the server failed it).",
               f"# TYPE {name} counter"]
     lines += [f'{name}{{reason="{r}"}} {n}' for r, n in sorted(stats["finished"].items())]
     return "\n".join(lines) + "\n"
@@ -555,6 +578,11 @@ def build_app(llm) -> FastAPI:
         if err.get("type") == "json_invalid":
             return error_response(APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', '')}"))
         where = ".".join(loc)
+        if loc and loc[0] == "prompt":  # pydantic names each arm of the union; say what a prompt may be
+            return error_response(APIError(400, "prompt must be one string or one list of token ids (one prompt "
+                                                "per request)", "prompt"))
+        if not loc and "json" not in request.headers.get("content-type", ""):  # e.g. a form, as `curl -d` sends
+            return error_response(APIError(400, "send the body as JSON (Content-Type: application/json)"))
         return error_response(APIError(400, f"{where or 'body'}: {err.get('msg')}", loc[0] if loc else None))
 
     @app.exception_handler(StarletteHTTPException)
@@ -588,7 +616,9 @@ def build_app(llm) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "quantmla", "max_model_len": server.max_model_len}]}
+                                            "owned_by": "quantmla",
+                                            # what one request can really get: the model's limit or the pool's
+                                            "max_model_len": min(server.max_model_len, server.llm.capacity_tokens)}]}
 
     @app.get("/health")
     async def health():
