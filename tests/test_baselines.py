@@ -3,7 +3,6 @@ rotation, and every method on tiny models (exact folds, byte counts at DeepSeek 
 
 from __future__ import annotations
 
-from dataclasses import replace
 
 import pytest
 import torch
@@ -259,8 +258,6 @@ def _model(family, **overrides):
 def _run(name, model, args=MethodArgs()):
     if name == "quantmla":
         return quantmla(model, args, FAST_CALIBRATION)
-    if name == "quantmla-centered":
-        return quantmla(model, args, replace(FAST_CALIBRATION, center=True))
     return BASELINES[name](model, args)
 
 

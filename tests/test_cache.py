@@ -340,38 +340,3 @@ def test_a_bad_group_spelling_says_what_a_format_looks_like():
         with pytest.raises(ValueError, match=r"expected KIND\[:GROUP or :tTOKENS\]"):
             QuantFormat.parse(spec)
 
-
-
-def test_rope_center_round_trips_and_is_checked():
-    """CacheConfig.rope_center: one tuple per layer (or one for every layer) through to_dict / from_dict and
-    at(i); wrong lengths, non-numbers and non-finite values are refused with the reason."""
-    centers = [[0.25 * i + j for j in range(DR)] for i in range(3)]
-    cfg = CacheConfig.from_dict({"content": "int4", "rope": "int4", "rope_center": centers})
-    assert CacheConfig.from_dict(cfg.to_dict()) == cfg and cfg.to_dict()["rope_center"] == centers
-    assert cfg.at(2).center() == tuple(centers[2]) and cfg.at(2).at(2) == cfg.at(2)
-    with pytest.raises(ValueError, match="not for layer 3"):
-        cfg.at(3)
-    with pytest.raises(ValueError, match="at\\(i\\)"):
-        cfg.center()
-    one = CacheConfig("int4", "int4", rope_center=(tuple(centers[0]),))
-    assert one.at(7).center() == tuple(centers[0])  # one center: every layer's
-    assert CacheConfig().center() is None and "rope_center" not in CacheConfig().to_dict()
-    with pytest.raises(ValueError, match=f"has 3 values per layer; the model's RoPE path has {DR}"):
-        CacheConfig("int4", "int4", rope_center=((1.0, 2.0, 3.0),)).fit(DC, DR)
-    for bad, match in (((("a",),), "lists of numbers"), (((float("nan"),) * DR,), "non-finite"),
-                       (((1.0,) * DR, (1.0,) * (DR - 1)), "differ in length")):
-        with pytest.raises(ValueError, match=match):
-            CacheConfig("int4", "int4", rope_center=bad)
-    with pytest.raises(ValueError, match="2 layers, the per-layer formats 3"):
-        CacheConfig(layers=(("int4", "int4"),) * 3, rope_center=((0.0,) * DR,) * 2)
-
-
-def test_quant_cache_subtracts_the_rope_center_from_every_key():
-    """QuantMLACache with a RoPE center stores (and returns) k_pe - center for sink, window and body alike."""
-    mu = tuple(float(j % 5) for j in range(DR))
-    cache = QuantMLACache(CacheConfig("bf16", "bf16", 2, 3, rope_center=(mu,)))
-    c, r = torch.randn(1, 1, 9, DC), torch.randn(1, 1, 9, DR)
-    _, held = cache.update(c, r, 0)
-    torch.testing.assert_close(held, r - torch.tensor(mu), rtol=0, atol=0)
-    with pytest.raises(ValueError, match="values per layer"):
-        QuantMLACache(CacheConfig("bf16", "bf16", rope_center=((1.0,),))).update(c, r, 0)

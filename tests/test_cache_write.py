@@ -83,10 +83,10 @@ def _assert_same(ref: PagedMLACache, fused: PagedMLACache, step: int) -> None:
 
 
 def run_pair(fmts, lens=LENS, *, sink=4, recent=8, page=16, steps=5, dc=128, dr=64, dtype=torch.bfloat16,
-             in_dtype=torch.bfloat16, garbage=False, seed=0, center=()):
+             in_dtype=torch.bfloat16, garbage=False, seed=0):
     """Both writers over `steps` decode steps from caches prefilled (by the torch writer) to `lens`."""
     g = torch.Generator().manual_seed(seed)
-    cfg = CacheConfig(*fmts, sink=sink, recent=recent, rope_center=center)
+    cfg = CacheConfig(*fmts, sink=sink, recent=recent)
     B, max_seqs = len(lens), len(lens) + 3
     _, used = make_block_tables([L + steps for L in lens], page)
     tables, _ = make_block_tables([L + steps for L in lens], page, num_blocks=used + 2, generator=g)  # shuffled
@@ -130,13 +130,6 @@ def test_fused_writer_is_byte_identical(fmts):
 def test_fused_writer_windows(sink, recent, fmts):
     """recent = 0 (tokens quantized at once; only sinks protected), sink = 0, no window at all, odd sizes."""
     run_pair(fmts, sink=sink, recent=recent, steps=4)
-
-
-def test_fused_writer_subtracts_the_rope_center():
-    """A RoPE center (CacheConfig.rope_center): both writers store k_pe - center, byte for byte alike."""
-    center = (tuple(0.37 * (i % 7 - 3) for i in range(64)),)
-    run_pair(("int4", "int4"), center=center)
-    run_pair(("int2", "bf16"), center=center, in_dtype=torch.float32)
 
 
 def test_fused_writer_dtypes_and_garbage():

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from quantmla.calibrate.content import calibrate_content, content_objective
-from quantmla.calibrate.driver import calibrate_model, centered_pairs, chosen_config
+from quantmla.calibrate.driver import calibrate_model
 from quantmla.calibrate.export import cache_config_of, quantmla_section
 from quantmla.calibrate.rope import calibrate_rope, rope_objective
 from quantmla.calibrate.search import Splits
@@ -207,32 +207,6 @@ def test_calibrate_model_keeps_the_function(family):
     assert rel(model(ids).logits, logits) <= 1e-5
     for r in reports:
         assert all(v > 0 for v in (r.content_identity, r.content_best, r.rope_identity, r.rope_best))
-
-
-def test_calibrate_center_is_the_folded_models_mean_key_and_keeps_the_function():
-    """--center: each layer's RoPE center is the mean k_pe of the *folded* model over the fit sequences'
-    positions from the sink on (what its cache will see) on the pairs that turn at most pi / 3 over the
-    model's positions and 0 on the others, the folded function is unchanged, and the chosen config carries
-    one center per cache index; without --center there is none."""
-    model = tiny_model("deepseek_v3")
-    layers = describe(model)
-    ids = torch.randint(0, 128, (4, 64), generator=torch.Generator().manual_seed(3))
-    logits = model(ids).logits
-    cfg = CacheConfig("int4", "int4", sink=4, recent=16).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
-    reports = calibrate_model(model, layers, ids, cfg, steps=5, progress=False, center=True)
-    assert rel(model(ids).logits, logits) <= 1e-5
-    chosen = chosen_config(cfg, reports)
-    assert len(chosen.rope_center) == len(layers)
-    fit = Splits.of(4).fit
-    keep = centered_pairs(model, layers[0])  # tiny models: 512 positions, rope_theta 10000
-    assert keep.sum() == 4 and keep[[6, 7, 14, 15]].all()  # its 2 slowest pairs (0.16 and 0.51 rad)
-    for layer, got in zip(layers, capture(model, layers, ids).values()):
-        mean = got.k_pe[fit, 4:].double().mean(dim=(0, 1)) * keep
-        center = torch.tensor(chosen.at(layer.cache_idx).center(), dtype=torch.float64)
-        torch.testing.assert_close(center, mean, atol=1e-5, rtol=1e-5)
-        assert mean.abs().max() > 1e-3  # not trivially zero
-    again = calibrate_model(tiny_model("deepseek_v3"), layers, ids, cfg, steps=5, progress=False)
-    assert chosen_config(cfg, again).rope_center == ()
 
 
 def test_calibrate_command_round_trip(tmp_path):

@@ -485,34 +485,6 @@ def test_per_layer_clipped_formats_are_served_as_calibrated(tmp_path):
     assert got != [hf_greedy(model, p, NEW, served_quant_cache(model, p, unclipped)) for p in ids]
 
 
-def test_rope_centers_are_served_as_calibrated(tmp_path):
-    """A checkpoint whose section has a RoPE center per layer (`quantmla calibrate --center`): every layer's
-    pool subtracts its own, and greedy tokens equal `generate` with a QuantMLACache of the section's config
-    fed token by token, and differ from the same formats without centers (the centers matter)."""
-    import json
-
-    from quantmla.models import load_model
-
-    path = tmp_path / "ckpt"
-    model = sharp_model("deepseek_v3")
-    model.save_pretrained(path)
-    layers, dr = describe(model), describe(model)[0].rope_dim
-    centers = [[3.0 * ((j + i) % 4 - 1.5) for j in range(dr)] for i in range(len(layers))]
-    cfg = json.loads((path / "config.json").read_text())
-    cfg["quantmla"] = {"method": "quantmla", "content": "int2", "rope": "int2", "sink": SINK, "recent": RECENT,
-                       "rope_center": centers}
-    (path / "config.json").write_text(json.dumps(cfg))
-    llm = LLM(path, max_num_seqs=4, block_size=PAGE, prefill_chunk=16, kv_cache_bytes=1 << 22)
-    assert [c.center.tolist() for c in llm.runner.caches] == centers
-    model = load_model(path)
-    ids = prompts(model.config.vocab_size, (40, 70))
-    got = [o.token_ids for o in llm.generate(ids, SamplingParams(max_tokens=NEW, ignore_eos=True))]
-    served = llm.cache_config.fit(layers[0].kv_lora_rank, dr)
-    assert got == [hf_greedy(model, p, NEW, served_quant_cache(model, p, served)) for p in ids]
-    plain = CacheConfig("int2", "int2", SINK, RECENT).fit(layers[0].kv_lora_rank, dr)
-    assert got != [hf_greedy(model, p, NEW, served_quant_cache(model, p, plain)) for p in ids]
-
-
 def test_calibrated_token_axis_formats_are_served(tmp_path):
     """A section whose per-layer choice has token-axis paths (what `quantmla calibrate --token-axis` may pick,
     clipped or not) round-trips through config.json and is served as calibrated: greedy tokens equal

@@ -60,14 +60,6 @@ def test_per_layer_formats_of_a_budget_calibration_graphs_equal_eager(tmp_path):
     """The formats `quantmla calibrate --budget 0.2823` chose for the default model (int8 and 16-channel RoPE
     groups, INT2 and 128-channel content groups, clipping): each layer's pool holds its own format on the GPU,
     and graph replay equals eager decode."""
-    layers = [["int4:32c0.95", "int8"], ["int4:128", "int8"], ["int2c0.85", "int4:16"], ["int4", "int8:32"]]
-    graphed = graphs_equal_eager(default_model_with_section(tmp_path, layers=layers))
-    assert [[str(c.content.fmt), str(c.rope.fmt)] for c in graphed.runner.caches] == layers
-
-
-def default_model_with_section(tmp_path, **section):
-    """A copy of the default model whose config.json has a quantmla section (int4/int4, sink 4, recent 32,
-    and `section`), as `quantmla calibrate` writes one."""
     import json
     import shutil
 
@@ -76,28 +68,17 @@ def default_model_with_section(tmp_path, **section):
     path = tmp_path / "ckpt"
     shutil.copytree(default_model_dir(), path)
     cfg = json.loads((path / "config.json").read_text())
-    cfg["quantmla"] = {"method": "quantmla", "content": "int4", "rope": "int4", "sink": 4, "recent": 32, **section}
+    layers = [["int4:32c0.95", "int8"], ["int4:128", "int8"], ["int2c0.85", "int4:16"], ["int4", "int8:32"]]
+    cfg["quantmla"] = {"method": "quantmla", "content": "int4", "rope": "int4", "sink": 4, "recent": 32,
+                       "layers": layers}
     (path / "config.json").write_text(json.dumps(cfg))
-    return path
-
-
-def graphs_equal_eager(path) -> LLM:
-    """Greedy tokens of PROMPTS with CUDA graphs equal eager decode's; returns the graphed LLM."""
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     kw = dict(max_num_seqs=16, kv_cache_bytes=256 << 20)
     graphed, eager = LLM(path, **kw), LLM(path, **kw, cuda_graphs=False)
+    assert [[str(c.content.fmt), str(c.rope.fmt)] for c in graphed.runner.caches] == layers
     a = [o.token_ids for o in graphed.generate(PROMPTS, params)]
     assert a == [o.token_ids for o in eager.generate(PROMPTS, params)]
     assert graphed.stats()["pages_used"] == 0
-    return graphed
-
-
-def test_rope_centers_graphs_equal_eager(tmp_path):
-    """A checkpoint with a RoPE center per layer (`calibrate --center`): the fused writer subtracts each layer's
-    own inside the captured graphs, and graph replay equals eager decode."""
-    centers = [[0.05 * ((j + i) % 9 - 4) for j in range(64)] for i in range(4)]  # 4 layers, rope 64
-    graphed = graphs_equal_eager(default_model_with_section(tmp_path, rope_center=centers))
-    torch.testing.assert_close(torch.stack([c.center.cpu() for c in graphed.runner.caches]), torch.tensor(centers))
 
 
 # fp32, and bf16 with a BF16 pool: identical (H200, 2026-12-03). bf16 with an INT4 pool: 5 of the 6 outputs

@@ -28,7 +28,6 @@ CONFIGS = {
     "token axis": CacheConfig("int4:t8", "int4:t8", 2, 8),
     "token-axis content, channel rope": CacheConfig("int4:t8", "int2", 2, 8),  # the paths' thresholds differ
     "no protected tokens": CacheConfig("int4", "int2", 0, 0),
-    "rope center": CacheConfig("int4", "int2", 2, 8, rope_center=(tuple(0.7 * (i % 5 - 2) for i in range(16)),)),
 }
 
 

@@ -134,8 +134,7 @@ def test_per_layer_formats_share_the_widest_row():
     vLLM tensor equal a standalone PagedMLACache of that layer's formats, and a layer's fields stay inside
     its own row."""
     dc, dr, P, nb = 64, 16, 4, 24
-    centers = [[0.5 * (j % 3 - 1) + i for j in range(16)] for i in range(3)]  # a RoPE center per layer
-    cfg = CacheConfig.from_dict({"content": "int4", "rope": "int4", "sink": 2, "recent": 5, "rope_center": centers,
+    cfg = CacheConfig.from_dict({"content": "int4", "rope": "int4", "sink": 2, "recent": 5,
                                  "layers": [["int4:16", "int4"], ["int8:16r32", "int2:8"], ["int2:16", "int4c0.9"]]})
     cfg = cfg.fit(dc, dr)
     rows = [layout.row_bytes(cfg.at(i), dc, dr) for i in range(3)]
@@ -147,7 +146,6 @@ def test_per_layer_formats_share_the_widest_row():
         ours = layout.attach(kv, cfg, dc, dr, max_seqs=3, layer=i)
         ref = PagedMLACache.allocate(cfg.at(i), dc, dr, nb, 3, block_size=P)
         assert ours.content.fmt == cfg.at(i).content and ours.rope.fmt == cfg.at(i).rope
-        assert torch.equal(ours.center, torch.tensor(centers[i]))  # its layer's center, subtracted at every write
         for cache in (ours, ref):
             for s, n in enumerate(lens):
                 cache.append(s, tables[s], 0, *_tokens(n, dc, dr, torch.Generator().manual_seed(s)))

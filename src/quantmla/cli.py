@@ -247,17 +247,15 @@ def cmd_calibrate(args) -> None:
         console.print(alloc.summary(), soft_wrap=True)
     space = SearchSpace(clips=_float_list(args.clips, "--clips"), token_axis=args.token_axis, ranked=args.ranked)
     calibration["space"] = {"clips": list(space.clips), "token_axis": space.token_axis, "ranked": space.ranked}
-    calibration["center"] = args.center
     torch.manual_seed(args.seed)
     if args.streaming:
         from quantmla.calibrate.streaming import calibrate_streaming
 
         result = calibrate_streaming(model_dir, args.out, batch, cfg, args.steps, args.seed, dtype, calibration,
-                                     space=space, center=args.center)
+                                     space=space)
         reports = result.reports
     else:
-        reports = calibrate_model(model, layers, batch, cfg, args.steps, args.seed, space=space,
-                                  center=args.center)
+        reports = calibrate_model(model, layers, batch, cfg, args.steps, args.seed, space=space)
     console.print(calibration_table(reports))
     chosen = chosen_config(cfg, reports)
     unservable = sorted({str(f) for pair in chosen.per_layer for f in pair if not SearchSpace.servable(f)})
@@ -523,11 +521,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also try, on the content path, ranked formats of no more bytes (e.g. int8r128 for int2: "
                         "the principal axes' leading channels at more bits, the rest dropped). Served by "
                         "`quantmla serve` and the vLLM plugin like any channel format")
-    s.add_argument("--center", action=argparse.BooleanOptionalAction, default=False,
-                   help="learn a RoPE center per layer (the mean key of the calibration text) that every cache "
-                        "subtracts from k_pe before storing it, BF16 rows included: exact for attention, no bytes "
-                        "per token, less quantization error on slowly turning RoPE pairs. Served by `quantmla "
-                        "serve`, QuantMLACache and the vLLM plugin")
     s.add_argument("--budget", type=float,
                    help="cache size as a fraction of BF16's at --context tokens, e.g. 0.27: choose bits and group "
                         "size per path and layer (bf16, int8/int4/int2 channel groups, ranked content formats unless "

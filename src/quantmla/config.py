@@ -167,11 +167,6 @@ class CacheConfig:
     layers: per-layer formats, one (content, rope) pair per cache index (what a calibration chose layer by
             layer); empty: every layer uses `content` / `rope`. `at(i)` is layer i's config. Where layers are
             given, `content` / `rope` name the format the choice started from (reports, tools that read one).
-    rope_center: a fixed vector per layer (one tuple of rope_dim floats per cache index; one tuple: every
-            layer's) that every cache subtracts from each k_pe it stores, BF16 rows included
-            (`policy.centered_rope`); empty: none. Exact: every score of a query shifts by the same q_pe . mu,
-            which softmax ignores, while the quantizer no longer spends its range on the path's constant
-            part (`calibrate --center`; docs/design.md#centering).
     """
 
     content: QuantFormat = field(default_factory=lambda: QuantFormat("int4"))
@@ -180,24 +175,12 @@ class CacheConfig:
     recent: int = 128
     rope_rotation: str = ""
     layers: tuple = ()
-    rope_center: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "content", QuantFormat.parse(self.content))
         object.__setattr__(self, "rope", QuantFormat.parse(self.rope))
         object.__setattr__(self, "layers", tuple((QuantFormat.parse(c), QuantFormat.parse(r))
                                                  for c, r in self.layers))
-        try:
-            center = tuple(tuple(float(v) for v in mu) for mu in self.rope_center)
-        except (TypeError, ValueError):
-            raise ValueError("rope_center must be a list of per-layer lists of numbers") from None
-        if any(v != v or abs(v) == float("inf") for mu in center for v in mu):
-            raise ValueError("rope_center holds a non-finite value")
-        if len({len(mu) for mu in center}) > 1:
-            raise ValueError(f"rope_center's layers differ in length: {sorted({len(mu) for mu in center})}")
-        if center and self.layers and len(center) not in (1, len(self.layers)):
-            raise ValueError(f"rope_center has {len(center)} layers, the per-layer formats {len(self.layers)}")
-        object.__setattr__(self, "rope_center", center)
         if any(isinstance(v, bool) or not isinstance(v, numbers.Integral) for v in (self.sink, self.recent)):
             raise ValueError(f"sink and recent must be whole numbers of tokens, got sink={self.sink!r}, "
                              f"recent={self.recent!r}")
@@ -212,29 +195,15 @@ class CacheConfig:
             where = "" if i == 0 else f"layer {i - 1} "
             content.check_dim(kv_lora_rank, where + "content")
             rope.check_dim(rope_dim, where + "rope")
-        if self.rope_center and len(self.rope_center[0]) != rope_dim:
-            raise ValueError(f"rope_center has {len(self.rope_center[0])} values per layer; the model's RoPE "
-                             f"path has {rope_dim} channels")
 
     def at(self, layer: int) -> CacheConfig:
         """Layer `layer`'s config (one format per path). Raises for a layer the per-layer formats lack."""
-        if len(self.rope_center) > 1:
-            if not 0 <= layer < len(self.rope_center):
-                raise ValueError(f"this cache config has RoPE centers for {len(self.rope_center)} layers, not for "
-                                 f"layer {layer}")
-            return replace(self, rope_center=(self.rope_center[layer],)).at(layer)
         if not self.layers:
             return self
         if not 0 <= layer < len(self.layers):
             raise ValueError(f"this cache config has formats for {len(self.layers)} layers, not for layer {layer}")
         content, rope = self.layers[layer]
         return replace(self, content=content, rope=rope, layers=())
-
-    def center(self) -> tuple[float, ...] | None:
-        """The RoPE center of a one-layer config (`at(i)`'s), or None."""
-        if len(self.rope_center) > 1:
-            raise ValueError("this cache config has a RoPE center per layer: take one layer's config with at(i)")
-        return self.rope_center[0] if self.rope_center else None
 
     @property
     def per_layer(self) -> tuple:
@@ -244,8 +213,7 @@ class CacheConfig:
     def fit(self, kv_lora_rank: int, rope_dim: int) -> CacheConfig:
         """The config for a model's dims (small test models have paths narrower than the default groups)."""
         cfg = CacheConfig(self.content.fit(kv_lora_rank), self.rope.fit(rope_dim), self.sink, self.recent,
-                          self.rope_rotation, tuple((c.fit(kv_lora_rank), r.fit(rope_dim)) for c, r in self.layers),
-                          self.rope_center)
+                          self.rope_rotation, tuple((c.fit(kv_lora_rank), r.fit(rope_dim)) for c, r in self.layers))
         cfg.check_dims(kv_lora_rank, rope_dim)
         return cfg
 
@@ -255,15 +223,12 @@ class CacheConfig:
             d["rope_rotation"] = self.rope_rotation
         if self.layers:
             d["layers"] = [[str(c), str(r)] for c, r in self.layers]
-        if self.rope_center:
-            d["rope_center"] = [[float(f"{v:.6g}") for v in mu] for mu in self.rope_center]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> CacheConfig:
         return cls(d["content"], d["rope"], int(d.get("sink", 4)), int(d.get("recent", 128)),
-                   d.get("rope_rotation", ""), tuple(tuple(pair) for pair in d.get("layers", ())),
-                   tuple(d.get("rope_center", ())))
+                   d.get("rope_rotation", ""), tuple(tuple(pair) for pair in d.get("layers", ())))
 
     @classmethod
     def bf16(cls) -> CacheConfig:

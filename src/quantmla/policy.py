@@ -121,18 +121,3 @@ def policy_attention(q_abs, q_pe, c, k_pe, scale: float, q_pos: torch.Tensor, qu
     if delta_c is not None:
         latent = latent + torch.einsum("bhts,bsc->bhtc", probs * quantized, delta_c)
     return latent
-
-
-
-def rope_center(config: CacheConfig, device=None) -> torch.Tensor | None:
-    """One layer's RoPE center (`CacheConfig.rope_center`; config is that layer's, `at(i)`) as fp32 [dr] on
-    `device`, or None. Caches build it once and hand it to `centered_rope` at every write."""
-    mu = config.center()
-    return None if mu is None else torch.tensor(mu, dtype=torch.float32, device=device)
-
-
-def centered_rope(k_pe: torch.Tensor, center: torch.Tensor | None) -> torch.Tensor:
-    """k_pe [..., dr] as every cache stores it: minus the layer's RoPE center (`rope_center`), in k_pe's dtype.
-    Every key a query sees (sink, window and quantized body alike) comes through here, so all its scores
-    shift by the same q_pe . center, which softmax ignores."""
-    return k_pe if center is None else k_pe - center.to(device=k_pe.device, dtype=k_pe.dtype)

@@ -52,7 +52,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from quantmla.config import CacheConfig, QuantFormat
-from quantmla.policy import block_of, block_start, centered_rope, quantized_end, ring_size, rope_center
+from quantmla.policy import block_of, block_start, quantized_end, ring_size
 from quantmla.quant.formats import Packed, dequantize, quantize
 
 PAGED_KINDS = ("bf16", "fp8", "int8", "int4", "int2")  # what the pools and the decode kernel read
@@ -267,7 +267,6 @@ class PagedMLACache:
     sink: int  # effective: 0 when both paths are bf16
     recent: int
     rings: tuple[int, int]  # ring rows of content and rope: recent + block - 1 (0 when both paths are bf16)
-    center: torch.Tensor | None = None  # fp32 [dr]: subtracted from every k_pe written (`policy.centered_rope`)
 
     @classmethod
     def allocate(
@@ -316,7 +315,6 @@ class PagedMLACache:
             sink,
             recent,
             rings,
-            rope_center(config, device),
         )
 
     @property
@@ -402,7 +400,6 @@ class PagedMLACache:
         stored), so it equals `gather(slot, table, end, view_dtype)` without reading new tokens back.
         Every range is a host integer in `rows`: nothing here reads device data unless checked.
         """
-        k_pe = centered_rope(k_pe, self.center)
         views = [self._write_path(path, prot[slot], r, x, checked, view_dtype)
                  for (path, prot, _), r, x in zip(self.paths(), rows, (c, k_pe))]
         if view_dtype is None:
@@ -468,7 +465,6 @@ class PagedMLACache:
         no host sync, so the step can be captured in a CUDA graph (the caller vouches for finite inputs).
         """
         L, slots = seq_lens.long(), slots.long()
-        k_pe = centered_rope(k_pe, self.center)
         for (path, prot, ring), x in zip(self.paths(), (c, k_pe)):
             if path.block > 1:
                 self._decode_block(path, prot, ring, slots, block_tables, L, x, checked)

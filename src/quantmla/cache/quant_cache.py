@@ -53,7 +53,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from quantmla.config import CacheConfig, QuantFormat
-from quantmla.policy import block_of, centered_rope, quantized_end, rope_center
+from quantmla.policy import block_of, quantized_end
 from quantmla.quant.formats import Packed, check_finite, dequantize, quantize
 
 
@@ -223,19 +223,14 @@ class QuantMLALayer(DynamicLayer):
         self.content = PathStore.empty(key_states, self.config.content, f"{self._name} content")
         rotation = online_rotation(self.config.rope_rotation, value_states.shape[-1])
         self.rope = PathStore.empty(value_states, self.config.rope, f"{self._name} rope", rotation)
-        if self.config.rope_center:
-            self.config.check_dims(key_states.shape[-1], value_states.shape[-1])
-        self.center = rope_center(self.config, self.device)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
-        """Store c [B,1,n,dc] and k_pe [B,1,n,dr]; return the held history of each, [B,1,T,*], input dtype
-        (k_pe's minus the layer's RoPE center where the config has one: `policy.centered_rope`)."""
+        """Store c [B,1,n,dc] and k_pe [B,1,n,dr]; return the held history of each, [B,1,T,*], input dtype."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_shapes(key_states, value_states)
-        k_pe = centered_rope(value_states, self.center)
-        return self.content.append(key_states, self.config), self.rope.append(k_pe, self.config)
+        return self.content.append(key_states, self.config), self.rope.append(value_states, self.config)
 
     def get_seq_length(self) -> int:
         return len(self.content) if self.is_initialized else 0

@@ -12,7 +12,6 @@ needs around it: `calibrate_model`'s `before_layer` / `after_layer` hooks, which
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -25,9 +24,9 @@ from quantmla.calibrate.search import Splits
 from quantmla.calibrate.space import SearchSpace
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.mla import absorb_queries, project_cache, project_queries, split_kv_b
-from quantmla.models.adapters import MLALayer, attention_module, rope_frequencies
-from quantmla.policy import centered_rope, query_positions
-from quantmla.transforms import ContentTransform, RopeTransform, apply_rope_transform, fold_content, fold_rope
+from quantmla.models.adapters import MLALayer, attention_module
+from quantmla.policy import query_positions
+from quantmla.transforms import ContentTransform, RopeTransform, fold_content, fold_rope
 
 
 @dataclass
@@ -49,7 +48,6 @@ class LayerReport:
     rope_smoothquant: float | None = None
     content_format: str | None = None  # the chosen format (None: the path is bf16)
     rope_format: str | None = None
-    rope_center: list[float] | None = None  # what the cache subtracts from k_pe (`CacheConfig.rope_center`)
     history: dict = field(default_factory=dict)  # path -> [(step, surrogate on fit, true on select)]
     points: dict = field(default_factory=dict)  # path -> {"transform@format": true objective on select}
 
@@ -112,47 +110,14 @@ def check_calibratable(cfg: CacheConfig) -> None:
                              "ignore the quantization error)")
 
 
-# A post-RoPE center is constant, but a pair's constant part turns by its frequency times the position: once
-# it has turned by phi, subtracting the center leaves 2 sin(phi / 2) of it, which is more than not centering
-# beyond pi / 3. So only pairs that turn at most that much over the model's whole context are centered (the
-# default model: its 6 slowest of 32). Centering every pair measured 0.35x the KL at 2 K and 48x at 16 K.
-CENTER_MAX_TURN = math.pi / 3
-
-
-def centered_pairs(model, layer: MLALayer) -> torch.Tensor:
-    """Bool [rope_dim] of k_pe's channels that a RoPE center may be nonzero on: both channels of each pair that
-    turns at most CENTER_MAX_TURN over the model's max_position_embeddings."""
-    freqs = rope_frequencies(model)
-    positions = getattr(model.config.get_text_config(), "max_position_embeddings", None)
-    if freqs is None or len(freqs) != len(layer.cache_pairs) or not positions:
-        raise ValueError("--center needs the model's RoPE frequencies (model.model.rotary_emb.inv_freq) and its "
-                         "max_position_embeddings, to center only pairs that stay put over its context")
-    keep = torch.zeros(layer.rope_dim, dtype=torch.bool)
-    for (a, b), f in zip(layer.cache_pairs, freqs.tolist()):
-        keep[[a, b]] = f * positions <= CENTER_MAX_TURN
-    return keep
-
-
 def calibrate_attention(attn, layer: MLALayer, hidden, position_embeddings, cfg: CacheConfig, steps: int,
-                        seed: int, n_queries: int = 64, space: SearchSpace | None = None,
-                        center: torch.Tensor | None = None
+                        seed: int, n_queries: int = 64, space: SearchSpace | None = None
                         ) -> tuple[ContentTransform | None, RopeTransform | None, LayerReport]:
     """Fit both transforms of one attention from its inputs hidden [B, T, hidden] (does not fold them), for
     queries where cfg's serving policy shows them a quantized region (`policy.query_positions`), and choose
-    each path's format among `space`'s points (default: cfg's formats only). cfg: this layer's formats.
-
-    center: bool [rope_dim] (`centered_pairs`): the cache will subtract a RoPE center (`CacheConfig.rope_center`):
-    on those channels the mean k_pe over the fit sequences' positions from the sink on, 0 elsewhere. Both
-    paths are then fitted and judged on centered keys (exact for attention: every score of a query shifts
-    alike), and the report's `rope_center` is that center as the folded model writes it (the RoPE transform
-    applied; it maps each pair to itself, so the other channels stay 0)."""
+    each path's format among `space`'s points (default: cfg's formats only). cfg: this layer's formats."""
     q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
     c, k_pe = project_cache(attn, layer, hidden, position_embeddings)
-    mu = None
-    if center is not None and cfg.rope.kind != "bf16":
-        mu = k_pe[Splits.of(hidden.shape[0]).fit, cfg.sink :].float().mean(dim=(0, 1))
-        mu = mu * center.to(mu.device)
-        k_pe = centered_rope(k_pe, mu)
     pos = query_positions(hidden.shape[1], cfg, n_queries)
     q_nope, q_pe = q_nope[:, :, pos], q_pe[:, :, pos]
     w_uk, w_uv = split_kv_b(attn, layer)
@@ -174,8 +139,6 @@ def calibrate_attention(attn, layer: MLALayer, hidden, position_embeddings, cfg:
             rope, res = calibrate_rope(q_pe, k_pe, pos, layer.cache_pairs, cfg, steps, seed, space=space,
                                        heads=heads)
         _record(report, "rope", res)
-        if mu is not None:
-            report.rope_center = apply_rope_transform(mu.double(), layer, rope).tolist()
     return content, rope, report
 
 
@@ -194,9 +157,6 @@ def chosen_config(cfg: CacheConfig, reports: list[LayerReport]) -> CacheConfig:
     reports = sorted(reports, key=lambda r: r.layer)
     pairs = tuple((QuantFormat.parse(r.content_format or c), QuantFormat.parse(r.rope_format or p))
                   for r, (c, p) in zip(reports, (cfg.at(r.layer).per_layer[0] for r in reports)))
-    if any(r.rope_center is not None for r in reports):
-        dr = len(next(r.rope_center for r in reports if r.rope_center is not None))
-        cfg = replace(cfg, rope_center=tuple(tuple(r.rope_center or [0.0] * dr) for r in reports))
     if all(pair == cfg.at(r.layer).per_layer[0] for r, pair in zip(reports, pairs)):
         return cfg
     return replace(cfg, layers=pairs)
@@ -205,7 +165,7 @@ def chosen_config(cfg: CacheConfig, reports: list[LayerReport]) -> CacheConfig:
 @torch.no_grad()
 def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: CacheConfig, steps: int = 100,
                     seed: int = 0, progress: bool = True, before_layer=None,
-                    after_layer=None, space: SearchSpace | None = None, center: bool = False) -> list[LayerReport]:
+                    after_layer=None, space: SearchSpace | None = None) -> list[LayerReport]:
     """Calibrate and fold every MLA attention of `model` in place, one decoder layer at a time.
 
     cfg: the formats asked for (per layer where cfg.layers is set) and the serving policy; each path's
@@ -216,16 +176,12 @@ def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg:
     input_ids [N, T]: calibration sequences, N >= 3, split by `search.Splits.of(N)` into fit / select /
     report; T > cfg.sink + cfg.recent, so that queries see quantized keys (longer is closer to serving).
     before_layer(i, block) runs before decoder layer i's forward (e.g. to load its weights), after_layer(i,
-    block) once its attentions are folded (e.g. to write and free them). center: learn a RoPE center per
-    layer on the pairs `centered_pairs` allows (`calibrate_attention`); `chosen_config` then carries them.
+    block) once its attentions are folded (e.g. to write and free them).
     """
     cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
     check_calibratable(cfg)
     Splits.of(input_ids.shape[0])  # fail before the first forward
     query_positions(input_ids.shape[1], cfg, 1)
-    pairs = centered_pairs(model, layers[0]) if center else None
-    if pairs is not None and not pairs.any():  # every pair turns too far over the context: nothing to center
-        pairs = None
     hidden, kwargs = _first_layer_inputs(model, input_ids.to(next(model.parameters()).device))
     prefix = layers[0].module.split(".layers.")[0] + ".layers."
     space = SearchSpace() if space is None else space
@@ -243,7 +199,7 @@ def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg:
             k = seen[l.cache_idx]
             content, rope, report = calibrate_attention(attn, l, k.hidden, k.position_embeddings,
                                                         cfg.at(l.cache_idx), steps, seed + l.cache_idx,
-                                                        space=space, center=pairs)
+                                                        space=space)
             if content is not None:
                 fold_content(attn, l, content)
             if rope is not None:

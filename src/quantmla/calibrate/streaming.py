@@ -148,7 +148,7 @@ class StreamingResult:
 def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: torch.Tensor, cfg: CacheConfig,
                         steps: int = 100, seed: int = 0, dtype: torch.dtype | None = None,
                         calibration: dict | None = None, progress: bool = True,
-                        space: SearchSpace | None = None, center: bool = False) -> StreamingResult:
+                        space: SearchSpace | None = None) -> StreamingResult:
     """Calibrate and fold the checkpoint in `model_dir` one decoder layer at a time, writing a fused checkpoint
     to `out_dir` (weights in `dtype`, default the source's) without ever holding all its weights.
 
@@ -212,7 +212,7 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
         block.to("meta")  # free the layer's weights
 
     reports = calibrate_model(model, layers, input_ids, cfg, steps, seed, progress, before_layer=before,
-                              after_layer=after, space=space, center=center)
+                              after_layer=after, space=space)
     total = sum((out_dir / f).stat().st_size for f in files)
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")

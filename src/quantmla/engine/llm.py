@@ -87,9 +87,8 @@ def _load(model, dtype, device):
 def _cache_config(section: CacheConfig | None, content, rope, sink, recent) -> CacheConfig:
     base = section or CacheConfig()
     layers = base.layers if content is None and rope is None else ()  # a calibration's per-layer choice
-    # The RoPE centers belong to the calibrated weights, not to the formats: exact for any format, kept.
     return CacheConfig(content or base.content, rope or base.rope, base.sink if sink is None else sink,
-                       base.recent if recent is None else recent, layers=layers, rope_center=base.rope_center)
+                       base.recent if recent is None else recent, layers=layers)
 
 
 class TooLong(ValueError):

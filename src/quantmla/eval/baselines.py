@@ -31,8 +31,6 @@ so that in the accuracy table only the quantizer differs.
                --token-axis`; on the GPU the decode kernel serves them only on the RoPE path at few heads).
   quantmla-c   the same without ranked content formats (`quantmla calibrate --no-ranked`): every channel
                stored; the search quantmla had before ranked formats.
-  quantmla-centered  the same with a learnt RoPE center per layer (`quantmla calibrate --center`,
-               `CacheConfig.rope_center`).
 """
 
 from __future__ import annotations
@@ -214,7 +212,6 @@ class Calibration:
     seed: int = 0
     token_axis: bool = False  # also search KIVI-style token-axis groups (`quantmla calibrate --token-axis`)
     ranked: bool = True  # also search ranked content formats (`quantmla calibrate --ranked`, the default)
-    center: bool = False  # learn a RoPE center per layer (`quantmla calibrate --center`)
 
 
 def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -> tuple[nn.Module, CacheConfig]:
@@ -254,8 +251,7 @@ def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -
         print(f"quantmla: {allocation.summary()}", flush=True)
     torch.manual_seed(calibration.seed)  # after the format choice, as `quantmla calibrate` seeds
     reports = calibrate_model(model, layers, ids, config, calibration.steps, calibration.seed,
-                              space=SearchSpace(token_axis=calibration.token_axis, ranked=calibration.ranked),
-                              center=calibration.center)
+                              space=SearchSpace(token_axis=calibration.token_axis, ranked=calibration.ranked))
     return model, chosen_config(config.fit(layers[0].kv_lora_rank, layers[0].rope_dim), reports)
 
 
@@ -269,11 +265,5 @@ def quantmla_channels(model: nn.Module, args) -> tuple[nn.Module, CacheConfig]:
     return quantmla(model, args, Calibration(ranked=False))
 
 
-def quantmla_centered(model: nn.Module, args) -> tuple[nn.Module, CacheConfig]:
-    """quantmla with a learnt RoPE center per layer (`quantmla calibrate --center`)."""
-    return quantmla(model, args, Calibration(center=True))
-
-
 BASELINES = {"fp4": fp4, "turboquant": turboquant, "kivi": kivi, "quarot": quarot, "smoothquant": smoothquant,
-             "quantmla": quantmla, "quantmla-t": quantmla_token_axis, "quantmla-c": quantmla_channels,
-             "quantmla-centered": quantmla_centered}
+             "quantmla": quantmla, "quantmla-t": quantmla_token_axis, "quantmla-c": quantmla_channels}

@@ -97,7 +97,7 @@ METHODS: dict[str, Callable[[nn.Module, MethodArgs], tuple[nn.Module, CacheConfi
 }
 
 
-BUDGETED = ("quantmla", "quantmla-t", "quantmla-c", "quantmla-centered")  # the methods that read MethodArgs.budget
+BUDGETED = ("quantmla", "quantmla-t", "quantmla-c")  # the methods that read MethodArgs.budget
 
 
 def check_method(name: str, args: MethodArgs) -> None:

@@ -33,7 +33,7 @@ from quantmla.cache.quant_cache import PathStore, online_rotation
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.mla import project_cache, project_queries
 from quantmla.models.adapters import MLALayer, attention_module, describe, register_module_attention
-from quantmla.policy import centered_rope, key_versions, rope_center, stored_from
+from quantmla.policy import key_versions, stored_from
 
 ATTENTION_NAME = register_module_attention("quantmla_serving", "ServingAttention")
 QUERY_BLOCK = 1024  # queries per attention call
@@ -55,7 +55,6 @@ def serving_attention(attn: nn.Module, layer: MLALayer, config: CacheConfig, hid
     `config` is this layer's (one format per path)."""
     B, L, _ = hidden.shape
     c, k_pe = project_cache(attn, layer, hidden, position_embeddings)
-    k_pe = centered_rope(k_pe, rope_center(config, hidden.device))  # every version of every key, as a cache does
     name = f"layer {layer.cache_idx}"
     c_st = stored_values(c, config.content, config, f"{name} content")
     r_st = stored_values(k_pe, config.rope, config, f"{name} rope", rotation)

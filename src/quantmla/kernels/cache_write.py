@@ -56,7 +56,6 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
 
 from quantmla.cache.paged import PagedMLACache
 from quantmla.kernels.mla_decode import Launch, _interpreting, _path_args
-from quantmla.policy import centered_rope
 from quantmla.quant.formats import FP8_MAX
 
 if triton is not None:
@@ -248,7 +247,6 @@ def append_decode_fused(
         raise ValueError(f"c {tuple(c.shape)} / k_pe {tuple(k_pe.shape)} do not match the cache")
     if B == 0:
         return
-    k_pe = centered_rope(k_pe, cache.center)  # as cache.append_decode does
     launch = writer_launch(cache, slots, block_tables, seq_lens, c, k_pe, on_gpu=c.is_cuda)
     _append_decode_kernel[launch.grid](*launch.args, **launch.options)
 

@@ -114,14 +114,6 @@ def _text_config(model: nn.Module):
     return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
 
 
-def rope_frequencies(model: nn.Module) -> torch.Tensor | None:
-    """Radians per token of each RoPE pair, [rope_dim / 2] fp32 on the CPU, in `MLALayer.cache_pairs` order
-    (transformers' `rotary_emb.inv_freq`, which holds any frequency scaling, e.g. YaRN's); None where the model
-    has no such buffer."""
-    freqs = getattr(getattr(getattr(model, "model", None), "rotary_emb", None), "inv_freq", None)
-    return None if freqs is None or freqs.is_meta else freqs.detach().float().cpu()
-
-
 def _is_mla_attention(module: nn.Module) -> bool:
     return all(hasattr(module, n) for n in ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj"))
 

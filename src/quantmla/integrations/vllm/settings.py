@@ -6,15 +6,13 @@ Precedence (first that applies):
        "int4,int4"                     content, rope formats (any `QuantFormat` spelling: int2, int4:32, fp8)
        "int2,int4,sink=4,recent=128"   with the window spelled out (defaults: sink 4, recent 128)
   2. the `quantmla` section of the checkpoint's config.json (what `quantmla calibrate` writes), read from the
-     model's Hugging Face config, so a calibrated checkpoint needs no flag at all (its RoPE centers, if any,
-     also apply under QUANTMLA_VLLM_CACHE: they belong to the weights);
+     model's Hugging Face config, so a calibrated checkpoint needs no flag at all;
   3. otherwise bf16.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import replace
 
 from quantmla.config import CacheConfig
 
@@ -38,12 +36,9 @@ def parse_spec(spec: str) -> CacheConfig:
 def cache_config_for(hf_config) -> tuple[CacheConfig, str]:
     """(the cache config, where it came from) for a model whose Hugging Face config is `hf_config`."""
     spec = os.environ.get(ENV, "").strip()
-    section = getattr(hf_config, "quantmla", None)
     if spec:
-        cfg = parse_spec(spec)
-        if isinstance(section, dict) and section.get("rope_center"):  # the weights' centers, exact for any format
-            cfg = replace(cfg, rope_center=CacheConfig.from_dict(section).rope_center)
-        return cfg, f"{ENV}={spec}"
+        return parse_spec(spec), f"{ENV}={spec}"
+    section = getattr(hf_config, "quantmla", None)
     if isinstance(section, dict):
         return CacheConfig.from_dict(section), "the checkpoint's quantmla section"
     return CacheConfig.bf16(), "default (no quantmla section, no " + ENV + ")"
