@@ -289,6 +289,32 @@ def test_calibrate_command_rejects_bad_arguments(tmp_path, capsys):
         assert main(base + ["--samples", "4", "--length", "600", *streaming]) == 2
         assert "--length 600 exceeds the model's max_position_embeddings 512" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+    for option, value in (("--length", "0"), ("--samples", "-1"), ("--steps", "0"), ("--context", "0")):
+        with pytest.raises(SystemExit) as e:  # argparse: usage and exit 2
+            main(base + [option, value])
+        assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("streaming", [[], ["--streaming"]])
+def test_calibrate_never_overwrites_what_it_was_not_asked_to(tmp_path, capsys, streaming):
+    """--out is checked before any work: the model's own directory is refused (--streaming used to delete its
+    weights first), so are an empty name, a file and a non-empty directory; --overwrite allows the last."""
+    src = save_tiny_model("deepseek_v3", tmp_path / "src")
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    base = ["calibrate", str(src), "--samples", "3", "--length", "160", "--recent", "16", "--steps", "1", *streaming]
+    assert main(base + ["--out", str(src)]) == 2
+    assert "is the model's own directory" in capsys.readouterr().err
+    assert main(base + ["--out", str(src) + "/../src/", "--overwrite"]) == 2  # the same directory, spelt otherwise
+    assert {p.name: p.read_bytes() for p in src.iterdir()} == before  # nothing touched
+    assert main(base + ["--out", ""]) == 2 and "--out is empty" in capsys.readouterr().err
+    (tmp_path / "file").write_text("mine")
+    assert main(base + ["--out", str(tmp_path / "file")]) == 2 and "not a directory" in capsys.readouterr().err
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep me")
+    assert main(base + ["--out", str(mine)]) == 2 and "is not empty (1 entries" in capsys.readouterr().err
+    assert main(base + ["--out", str(mine), "--overwrite"]) == 0
+    assert (mine / "notes.txt").read_text() == "keep me" and quantmla_section(mine) is not None
 
 
 # ---------------------------------------------------------------- the quantizer search (clipping, axis)

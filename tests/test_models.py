@@ -170,3 +170,18 @@ def test_tokenizer_that_needs_its_own_code_is_a_clear_error(tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="vocabulary of [01];.*tokenizer.json"):
         tokenizer_for(path)  # no auto_map at all: transformers builds an empty tokenizer
+
+
+def test_a_checkpoint_missing_a_weight_is_refused_not_filled_with_random_values(tmp_path):
+    """transformers initialises a weight the files lack at random and only logs it; load_model refuses."""
+    from safetensors.torch import load_file, save_file
+
+    src = save_tiny_model("deepseek_v3", tmp_path / "m")
+    load_model(src)  # complete: loads
+    shard = next(src.glob("*.safetensors"))
+    tensors = load_file(shard)
+    name = next(k for k in tensors if "kv_a_proj_with_mqa" in k)
+    del tensors[name]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"1 weight\\(s\\) missing in the checkpoint, e.g. {name}"):
+        load_model(src)

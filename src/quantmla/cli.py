@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import sys
 import warnings
@@ -91,6 +92,37 @@ def layers_table(name: str, layers) -> Table:
     for first, last, f in runs:
         table.add_row(str(first) if first == last else f"{first}-{last}", *(f[k] for k in cols))
     return table
+
+
+def _positive(text: str) -> int:
+    """argparse type: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _check_out_dir(out: str, model_dir: Path, overwrite: bool) -> Path:
+    """calibrate's --out, checked before any work: never the model's own directory (its weights would be
+    replaced by the folded ones, or deleted first by --streaming), not a file, and empty unless --overwrite."""
+    if not out.strip():
+        raise ValueError("--out is empty: name the directory the calibrated checkpoint goes to")
+    path = Path(out).expanduser().resolve()
+    if path == model_dir.resolve():
+        raise ValueError(f"--out {out} is the model's own directory: the calibrated weights would replace the "
+                         "ones being read; choose another directory")
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"--out {out} exists and is not a directory")
+    if path.is_dir() and not overwrite and (held := sorted(p.name for p in path.iterdir())):
+        raise ValueError(f"--out {out} is not empty ({len(held)} entries, e.g. {held[0]}); choose a new directory, "
+                         "or pass --overwrite to replace the checkpoint files in it")
+    parent = next(p for p in (path, *path.parents) if p.exists())
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"--out {out}: {parent} is not writable")
+    return path
 
 
 def _check_length(model, length: int) -> None:
@@ -201,6 +233,7 @@ def cmd_calibrate(args) -> None:
     from quantmla.models import describe, load_model
 
     model_dir = resolve_model_dir(args.model)
+    _check_out_dir(args.out, model_dir, args.overwrite)
     content, rope = _formats(args)
     if args.budget is not None:
         from quantmla.calibrate.budget import check_budget
@@ -476,8 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--nmse", type=float, default=0.01, help="cache noise, as normalised MSE (default 0.01 = 1%%)")
     s.add_argument("--data", help="text file to run on (default: the built-in calibration sample)")
-    s.add_argument("--length", type=int, default=512, help="tokens per sequence (default 512)")
-    s.add_argument("--samples", type=int, default=4, help="number of sequences (default 4)")
+    s.add_argument("--length", type=_positive, default=512, help="tokens per sequence (default 512)")
+    s.add_argument("--samples", type=_positive, default=4, help="number of sequences (default 4)")
     # the policy that says where noise goes; its error for too short sequences suggests a smaller window
     s.add_argument("--sink", type=int, default=4, help="first tokens kept noise-free, as BF16 (default 4)")
     s.add_argument("--recent", type=int, default=128, help="most recent tokens kept noise-free (default 128)")
@@ -504,11 +537,12 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sink", type=int, default=4, help="first tokens kept in BF16 (default 4)")
     s.add_argument("--recent", type=int, default=128, help="most recent tokens kept in BF16 (default 128)")
     s.add_argument("--data", help="calibration text file (default: the built-in calibration sample)")
-    s.add_argument("--samples", type=int, default=8, help="calibration sequences, >= 3: fit/select/report (default 8)")
-    s.add_argument("--length", type=int, default=None,
+    s.add_argument("--samples", type=_positive, default=8,
+                   help="calibration sequences, >= 3: fit/select/report (default 8)")
+    s.add_argument("--length", type=_positive, default=None,
                    help="tokens per sequence (default 2048, or the model's max_position_embeddings if shorter; "
                         "longer sequences show the search more quantized keys per query, as long contexts do)")
-    s.add_argument("--steps", type=int, default=100, help="optimiser steps per path and layer (default 100)")
+    s.add_argument("--steps", type=_positive, default=100, help="optimiser steps per path and layer (default 100)")
     s.add_argument("--clips", default=",".join(map(str, CLIPS)),
                    help="clipping ratios the search tries per path and layer, chosen on the real objective of "
                         f"the selection sequences (default {','.join(map(str, CLIPS))}; 1 = no clipping). "
@@ -527,7 +561,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--no-ranked) to fit it, "
                         "by RTN attention-output error, then calibrate for the chosen formats (--content/--rope "
                         "then only name the section's base formats)")
-    s.add_argument("--context", type=int, default=131072,
+    s.add_argument("--context", type=_positive, default=131072,
                    help="context length at which --budget is counted (default 131072; the sink + recent window "
                         "counts as BF16)")
     s.add_argument("--seed", type=int, default=0)
@@ -536,7 +570,11 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--streaming", action="store_true",
                    help="for checkpoints larger than memory: hold one decoder layer's weights at a time, read "
                         "from the safetensors shards and written to the output's shards as soon as folded")
-    s.add_argument("--out", required=True, help="output directory")
+    s.add_argument("--out", required=True,
+                   help="output directory: new or empty (never the model's own), unless --overwrite")
+    s.add_argument("--overwrite", action="store_true",
+                   help="write into a non-empty --out, replacing the checkpoint files there (never the model's "
+                        "own directory)")
     s.set_defaults(func=cmd_calibrate)
     s = sub.add_parser("eval", help="quality of a cache method: perplexity, KL to BF16, needle retrieval",
                        description="Evaluate one KV-cache method: perplexity and next-token KL to BF16 on held-out "

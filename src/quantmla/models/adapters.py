@@ -249,8 +249,14 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
             return AutoModelForCausalLM.from_config(config)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise FileNotFoundError(f"{path} has a config.json but no weights (*.safetensors)")
-    model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True,
-                                                 attn_implementation=attn)
+    model, info = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True,
+                                                       attn_implementation=attn, output_loading_info=True)
+    # transformers fills a weight the files lack with random values and only logs it: refuse instead.
+    for kind in ("missing_keys", "mismatched_keys"):
+        if info.get(kind):
+            names = sorted(str(k) for k in info[kind])
+            raise ValueError(f"{path}: {len(names)} weight(s) {kind.split('_')[0]} in the checkpoint, e.g. "
+                             f"{names[0]}; the model would run with random values there")
     return model.eval()
 
 
