@@ -115,6 +115,32 @@ def test_info_command(tiny_dir, tmp_path):
     assert data["layers"][0]["rope_style"] == "half"
 
 
+def test_info_shows_a_calibrated_checkpoints_own_formats(tiny_dir, tmp_path):
+    """Without --content/--rope, info reports the formats the checkpoint's quantmla section serves, per layer."""
+    import shutil
+
+    ckpt = tmp_path / "cal"
+    shutil.copytree(tiny_dir, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantmla"] = {"method": "quantmla", "content": "int4", "rope": "int4", "layers": [["int2", "int4"],
+                                                                                          ["int8", "bf16"]]}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "info.json"
+    assert main(["info", str(ckpt), "--json", str(out)]) == 0
+    data = json.loads(out.read_text())
+    assert [(r["content"], r["rope"]) for r in data["layers"]] == [("int2:32", "int4:8"), ("int8:32", "bf16")]
+    assert data["bytes_per_token"] == (8 + 4) + (4 + 4) + (32 + 4) + 16
+    assert main(["info", str(ckpt), "--content", "int4", "--json", str(out)]) == 0  # asked for: as asked
+    assert {r["content"] for r in json.loads(out.read_text())["layers"]} == {"int4:32"}
+
+
+def test_bad_config_json_and_output_paths_are_one_line_errors(tmp_path, capsys):
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "config.json").write_text("[1, 2]")
+    assert main(["info", str(tmp_path / "m")]) == 2
+    assert "holds a JSON list, not an object" in capsys.readouterr().err
+
+
 def _rendered_at_80(table) -> list[str]:
     from rich.console import Console
 
@@ -198,3 +224,14 @@ def test_calibrate_rejects_a_bad_budget_before_loading_the_model(tiny_dir, tmp_p
     monkeypatch.setattr(quantmla.models, "load_model", no_load)
     assert main(["calibrate", str(tiny_dir), "--budget", "1.3", "--out", str(tmp_path / "c")]) == 2
     assert "a byte budget is a fraction of the BF16 cache in (0, 1], got 1.3" in capsys.readouterr().err
+
+
+def test_ctrl_c_is_a_short_message_and_exit_130(tiny_dir, monkeypatch, capsys):
+    import quantmla.cli as cli
+
+    def interrupted(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "cmd_info", interrupted)
+    assert main(["info", str(tiny_dir)]) == 130
+    assert capsys.readouterr().err.strip() == "interrupted"

@@ -289,6 +289,8 @@ def test_calibrate_command_rejects_bad_arguments(tmp_path, capsys):
         assert main(base + ["--samples", "4", "--length", "600", *streaming]) == 2
         assert "--length 600 exceeds the model's max_position_embeddings 512" in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+    assert main(base + ["--budget", "0.5", "--context", "100"]) == 2  # <= sink 4 + recent 128
+    assert "--context 100 leaves no quantized tokens" in capsys.readouterr().err
     for option, value in (("--length", "0"), ("--samples", "-1"), ("--steps", "0"), ("--context", "0")):
         with pytest.raises(SystemExit) as e:  # argparse: usage and exit 2
             main(base + [option, value])

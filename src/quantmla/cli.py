@@ -37,17 +37,23 @@ def cmd_info(args) -> None:
     from quantmla.models import describe
     from quantmla.quant import bytes_per_token
 
+    from quantmla.calibrate.export import cache_config_of
+
     model_dir = resolve_model_dir(args.model)
     layers = describe(model_dir)
-    cfg = CacheConfig(args.content, args.rope).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
+    # A calibrated checkpoint's own formats (per layer) unless formats are asked for.
+    section = cache_config_of(model_dir) if args.content is None and args.rope is None else None
+    cfg = section or CacheConfig(args.content or "int4", args.rope or "int4")
+    cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
     console.print(layers_table(model_dir.name, layers))
     rows = []
     for layer in layers:
         wp, cp = layer.weight_pairs, layer.cache_pairs
         bf16 = 2 * (layer.kv_lora_rank + layer.rope_dim)
-        quant = bytes_per_token(cfg.content, layer.kv_lora_rank) + bytes_per_token(cfg.rope, layer.rope_dim)
+        mine = cfg.at(layer.cache_idx)
+        quant = bytes_per_token(mine.content, layer.kv_lora_rank) + bytes_per_token(mine.rope, layer.rope_dim)
         rows.append({**layer.__dict__, "weight_pairs": wp, "cache_pairs": cp, "bytes_bf16": bf16,
-                     "bytes_quantized": quant})
+                     "content": str(mine.content), "rope": str(mine.rope), "bytes_quantized": quant})
     bf16 = sum(r["bytes_bf16"] for r in rows)
     quant = sum(r["bytes_quantized"] for r in rows)
     summary = Table(title="Cache bytes per token (all layers, body; sink/recent tokens stay BF16)",
@@ -55,8 +61,9 @@ def cmd_info(args) -> None:
     for col in ("format", "content", "rope", "bytes/token/layer", "bytes/token", "% of BF16"):
         summary.add_column(col)
     summary.add_row("bf16", "bf16", "bf16", str(rows[0]["bytes_bf16"]), str(bf16), "100.0")
-    summary.add_row("chosen", str(cfg.content), str(cfg.rope), str(rows[0]["bytes_quantized"]), str(quant),
-                    f"{100 * quant / bf16:.1f}")
+    distinct = lambda key: ",".join(dict.fromkeys(r[key] for r in rows))  # noqa: E731  (in layer order)
+    summary.add_row("checkpoint's" if section else "chosen", distinct("content"), distinct("rope"),
+                    f"{quant / len(rows):g}", str(quant), f"{100 * quant / bf16:.1f}")
     console.print(summary)
     _write_json(args.json, {"model": str(model_dir), "content": str(cfg.content), "rope": str(cfg.rope),
                             "layers": rows, "bytes_per_token_bf16": bf16, "bytes_per_token": quant})
@@ -239,6 +246,9 @@ def cmd_calibrate(args) -> None:
         from quantmla.calibrate.budget import check_budget
 
         check_budget(args.budget)  # before the model loads
+        if args.context <= args.sink + args.recent:
+            raise ValueError(f"--context {args.context} leaves no quantized tokens after sink {args.sink} + recent "
+                             f"{args.recent}: a budget counts the cache at a longer context (default 131072)")
     if args.streaming:
         from quantmla.calibrate.streaming import skeleton
 
@@ -496,8 +506,9 @@ def build_parser() -> argparse.ArgumentParser:
                                    "which rows/cache coordinates form RoPE pairs, family scalars) and the cache "
                                    "bytes per token in BF16 and in a chosen format pair.")
     s.add_argument("model", nargs="?", help=MODEL_HELP)
-    s.add_argument("--content", default="int4", help="content format: bf16, fp8, int8, int4, int2 [:group] (default int4)")
-    s.add_argument("--rope", default="int4", help="RoPE format, same spelling (default int4)")
+    s.add_argument("--content", help="content format: bf16, fp8, int8, int4, int2 [:group] (default: a calibrated "
+                                      "checkpoint's own formats, else int4)")
+    s.add_argument("--rope", help="RoPE format, same spelling (default: the checkpoint's, else int4)")
     s.add_argument("--json", help="also write the description as JSON here")
     s.set_defaults(func=cmd_info)
 
@@ -675,9 +686,12 @@ def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     try:
         args.func(args)
-    except (ValueError, FileNotFoundError) as e:  # bad input: say what is wrong, no traceback
+    except (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError) as e:  # bad input: no traceback
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
     return 0
 
 

@@ -195,9 +195,12 @@ def read_config_json(path: str | Path) -> dict:
     """A checkpoint directory's config.json as a dict; ValueError naming the file when it is not JSON."""
     file = Path(path) / "config.json"
     try:
-        return json.loads(file.read_text())
+        config = json.loads(file.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{file} is not valid JSON ({e}); fix or replace the checkpoint's config.json") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} holds a JSON {type(config).__name__}, not an object of model settings")
+    return config
 
 
 def _unsupported(model_type, path: Path) -> UnsupportedModelError:
