@@ -167,8 +167,11 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     files = [f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors" for i in range(n + 1)]
     weight_map: dict[str, str] = {}
     out_dir.mkdir(parents=True, exist_ok=True)
-    for stale in (*out_dir.glob("model*.safetensors"), *out_dir.glob("model.safetensors.index.json")):
-        stale.unlink()  # as save_pretrained does: an old single file would shadow the new index
+    # As save_pretrained does (an old single file would shadow the new index), and the old config too: an
+    # interrupted run must not leave a directory that looks like a finished checkpoint (config.json last).
+    for stale in (*out_dir.glob("model*.safetensors"), *out_dir.glob("model.safetensors.index.json"),
+                  *out_dir.glob("config.json"), *out_dir.glob("calibration_report.json")):
+        stale.unlink()
     peak = 0
 
     def write(shard: str, keys, state: dict[str, torch.Tensor], source: dict[str, torch.Tensor]):
