@@ -256,6 +256,9 @@ class Chunk:
 
 
 # ---------------------------------------------------------------------------------------------- requests
+GRACEFUL_SHUTDOWN_S = 5
+
+
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -637,4 +640,7 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info
     """Serve `llm` until interrupted."""
     import uvicorn
 
-    uvicorn.run(build_app(llm), host=host, port=port, log_level=log_level)
+    # Ctrl-C: requests in flight get this long to finish, then are cancelled (their pages freed by their
+    # handlers' aborts) instead of holding the process until every generation ends.
+    uvicorn.run(build_app(llm), host=host, port=port, log_level=log_level,
+                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
