@@ -477,6 +477,7 @@ def test_per_layer_clipped_formats_are_served_as_calibrated(tmp_path):
     (path / "config.json").write_text(json.dumps(cfg))
     llm = LLM(path, max_num_seqs=4, block_size=PAGE, prefill_chunk=16, kv_cache_bytes=1 << 22)
     assert [[str(c.content.fmt), str(c.rope.fmt)] for c in llm.runner.caches] == layers
+    assert llm.stats()["format"] == " | ".join(f"{c}/{r}" for c, r in layers)  # what serve's startup line says
     model = load_model(path)
     ids = prompts(model.config.vocab_size, (40, 70))
     got = [o.token_ids for o in llm.generate(ids, SamplingParams(max_tokens=NEW, ignore_eos=True))]

@@ -146,8 +146,13 @@ class LLM:
         self._shared_gen = torch.Generator().manual_seed(0)
         self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, tokens_generated=0, prompt_tokens=0,
                              prefill_tokens=0, peak_batch=0, time_prefill_s=0.0, time_decode_s=0.0)
-        log.info("KV pool: %d pages of %d tokens = %d tokens (%s/%s), %.1f MiB", num_blocks, block_size,
-                 self.capacity_tokens, self.cache_config.content, self.cache_config.rope, self.kv_cache_bytes / 2**20)
+        log.info("KV pool: %d pages of %d tokens = %d tokens (%s), %.1f MiB", num_blocks, block_size,
+                 self.capacity_tokens, self.format_name, self.kv_cache_bytes / 2**20)
+
+    @property
+    def format_name(self) -> str:
+        """"content/rope", or each layer's where a calibration chose them per layer ("a/b | c/d | ...")."""
+        return " | ".join(f"{c}/{r}" for c, r in self.cache_config.per_layer)
 
     def _default_budget(self, layout: PoolLayout, device, max_num_seqs: int, utilization: float) -> int:
         if device.type == "cuda":
@@ -302,6 +307,6 @@ class LLM:
             "capacity_tokens": self.capacity_tokens,
             "kv_cache_bytes": self.kv_cache_bytes,
             "cuda_graphs": sorted(self.runner.graphs),
-            "format": f"{self.cache_config.content}/{self.cache_config.rope}",
+            "format": self.format_name,
             **self.counters,
         }
