@@ -187,6 +187,13 @@ def test_cli_missing_model(tmp_path, capsys):
     assert "model directory not found" in capsys.readouterr().err
 
 
+def test_eval_refuses_lengths_where_nothing_is_quantized(tiny_dir, capsys):
+    """At lengths within sink + recent a quantized method would measure as BF16 (KL 0): refused, saying why."""
+    assert main(["eval", str(tiny_dir), "--method", "rtn", "--lengths", "96", "--samples", "1",
+                 "--tasks", "ppl,kl"]) == 2
+    assert "no key is ever quantized (sink 4 + recent 128" in capsys.readouterr().err
+
+
 def test_eval_methods_parts_merge(tiny_dir, tmp_path):
     """benchmarks/eval_methods.py: parts written in separate runs make one table; other settings refuse."""
     import sys
@@ -195,7 +202,7 @@ def test_eval_methods_parts_merge(tiny_dir, tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import eval_methods
 
-    common = ["--model", str(tiny_dir), "--lengths", "96", "--samples", "1", "--scored", "16"]
+    common = ["--model", str(tiny_dir), "--lengths", "160", "--samples", "1", "--scored", "16"]  # > 4 + 128
     assert eval_methods.main(common + ["--methods", "bf16", "--out", str(tmp_path / "a")]) == 0
     assert eval_methods.main(common + ["--methods", "rtn@int2/int4", "--out", str(tmp_path / "b")]) == 0
     parts = [str(tmp_path / "a.json"), str(tmp_path / "b.json")]
@@ -226,12 +233,12 @@ def test_eval_methods_budget_row(tiny_dir, tmp_path, monkeypatch):
     fast = Calibration(samples=3, length=160, steps=2)
     monkeypatch.setitem(METHODS, "quantmla", lambda model, args: quantmla(model, args, fast))
     out = tmp_path / "b"
-    assert eval_methods.main(["--model", str(tiny_dir), "--lengths", "96", "--samples", "1", "--scored", "16",
+    assert eval_methods.main(["--model", str(tiny_dir), "--lengths", "160", "--samples", "1", "--scored", "16",
                               "--methods", "rtn@int4/int4,quantmla@budget=0.25", "--out", str(out)]) == 0
     rtn, budget = json.loads(out.with_suffix(".json").read_text())["results"]
     assert budget["method"] == "quantmla b=0.25" and "|" in budget["content"] + budget["rope"]
     assert budget["percent_of_bf16_long"] <= 25 < rtn["percent_of_bf16_long"]
-    assert len(budget["settings"]["cache"]["layers"]) == 3  # (at 96 tokens every row is the BF16 window)
+    assert len(budget["settings"]["cache"]["layers"]) == 3
     md = out.with_suffix(".md").read_text().splitlines()
     header, row = next(line for line in md if line.startswith("| method |")), md[-3]
     assert row.startswith("| quantmla b=0.25 | ")

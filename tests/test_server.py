@@ -135,6 +135,9 @@ def test_models_health_and_metrics(served):
     # what one request can get: the model's limit, or the pool where that holds fewer tokens
     assert r["data"][0]["max_model_len"] == min(served.llm.max_model_len, served.llm.capacity_tokens)
     assert served.client.get("/health").json() == {"status": "ok"}
+    assert served.client.head("/health").status_code == 200  # load balancers probe with HEAD
+    assert served.client.get(f"/v1/models/{served.llm.model_name}").json() == r["data"][0]
+    assert served.client.get("/v1/models/gpt-4").status_code == 404
     m = metrics(served)
     assert m["quantmla_kv_pages_total"] == served.stats()["pages_total"] > 0
     assert m["quantmla_kv_pages_used"] + m["quantmla_kv_pages_free"] == m["quantmla_kv_pages_total"]
@@ -269,6 +272,7 @@ BAD = [
     ("/v1/completions", '{"prompt": "a\\ud800b"}', 400, "prompt", None),  # a lone surrogate: no UTF-8
     ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": {"include_usage": "yes"}}, 400,
      "stream_options", None),
+    ("/v1/completions", {"prompt": "x", "stream_options": {"include_usage": True}}, 400, "stream_options", None),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]},
      400, "messages", None),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages", None),

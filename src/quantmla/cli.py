@@ -239,8 +239,14 @@ def cmd_calibrate(args) -> None:
     from quantmla.data import encode, read_text, resolve_model_dir, token_windows, tokenizer_for
     from quantmla.models import describe, load_model
 
+    from quantmla.calibrate.export import quantmla_section
+
     model_dir = resolve_model_dir(args.model)
     _check_out_dir(args.out, model_dir, args.overwrite)
+    if quantmla_section(model_dir):
+        console.print(f"note: {model_dir} is already calibrated; the new transforms fold on top of its own (exact) "
+                      "and the new quantmla section replaces its record (calibrate the original checkpoint to "
+                      "start afresh)", soft_wrap=True)
     content, rope = _formats(args)
     if args.budget is not None:
         from quantmla.calibrate.budget import check_budget

@@ -290,6 +290,8 @@ class _SamplingRequest(BaseModel):
     n: StrictInt = 1
 
     def refuse_unsupported(self) -> None:
+        if self.stream_options is not None and not self.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
         for name, value in (self.model_extra or {}).items():
             if name in UNSUPPORTED and not any(value == ok for ok in UNSUPPORTED[name]):
                 raise APIError(400, f"{name} is not supported by this server (got {value!r})", name)
@@ -616,14 +618,21 @@ def build_app(llm) -> FastAPI:
         job = await server.start(prompt_ids, sampling_params(req, max_tokens), stop_strings(req.stop), "chatcmpl")
         return await _respond(server, req, job, request, chat=True)
 
+    def model_card() -> dict:
+        return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "quantmla",
+                # what one request can really get: the model's limit or the pool's
+                "max_model_len": min(server.max_model_len, server.llm.capacity_tokens)}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": server.model_name, "object": "model", "created": server.created,
-                                            "owned_by": "quantmla",
-                                            # what one request can really get: the model's limit or the pool's
-                                            "max_model_len": min(server.max_model_len, server.llm.capacity_tokens)}]}
+        return {"object": "list", "data": [model_card()]}
 
-    @app.get("/health")
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        server.check_model(model_id)
+        return model_card()
+
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not server.engine.alive:
             return JSONResponse({"status": "engine thread stopped"}, status_code=503)

@@ -150,6 +150,10 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
     layer = describe(model)[0]
     dc, dr = layer.kv_lora_rank, layer.rope_dim
     longest = max(settings.lengths)
+    if longest <= config.sink + config.recent and any(f.kind != "bf16" for pair in config.per_layer for f in pair):
+        raise ValueError(f"at {longest} tokens no key is ever quantized (sink {config.sink} + recent {config.recent} "
+                         f"stay BF16), so {label(method, args)} would measure as BF16: use lengths above "
+                         f"{config.sink + config.recent}, or a smaller --recent")
     result = EvalResult(
         method=label(method, args), content=_formats(config, 0), rope=_formats(config, 1), sink=config.sink,
         recent=config.recent,
