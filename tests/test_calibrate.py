@@ -291,7 +291,8 @@ def test_calibrate_command_rejects_bad_arguments(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
     assert main(base + ["--budget", "0.5", "--context", "100"]) == 2  # <= sink 4 + recent 128
     assert "--context 100 leaves no quantized tokens" in capsys.readouterr().err
-    for option, value in (("--length", "0"), ("--samples", "-1"), ("--steps", "0"), ("--context", "0")):
+    for option, value in (("--length", "0"), ("--samples", "-1"), ("--steps", "0"), ("--context", "0"),
+                          ("--group", "0")):
         with pytest.raises(SystemExit) as e:  # argparse: usage and exit 2
             main(base + [option, value])
         assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err

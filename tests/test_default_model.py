@@ -173,3 +173,18 @@ def test_long_context_config_and_needle_at_4096(model_and_tokenizer):
         out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), max_new_tokens=7, do_sample=False)
     got = [tok.decode(o[x.shape[1]:], skip_special_tokens=True) for o in out]
     assert all(g.startswith(s.answer) for g, s in zip(got, samples)), list(zip(got, [s.answer for s in samples]))
+
+
+def test_encoding_a_prefix_gives_the_same_first_tokens():
+    """encode(..., max_tokens=N) tokenizes only a prefix of a long text (a 63 MB --data file took 200 s and
+    13 GB in full) and returns the same first N tokens as encoding all of it."""
+    import torch
+
+    from quantmla.data import default_model_dir, encode, read_text, tokenizer_for
+
+    tok = tokenizer_for(default_model_dir())
+    text = read_text(None, "heldout.txt")
+    full = encode(text, tok, 300)
+    for n in (1, 100, 1000):
+        assert torch.equal(encode(text, tok, 300, max_tokens=n), full[:n])
+    assert torch.equal(encode(text, None, 300, max_tokens=50), full.new_tensor(list(text[:50].encode())) % 300)

@@ -160,7 +160,7 @@ def cmd_analyze(args) -> None:
     model = load_model(model_dir)
     _check_length(model, args.length)
     layers = describe(model)
-    ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size)
+    ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size, args.length * args.samples)
     batch = token_windows(ids, args.length, args.samples)
     console.print(f"text: {args.data or 'built-in calibration sample'}; {batch.shape[0]} x {batch.shape[1]} tokens")
     result = amplification(model, layers, batch, args.nmse, args.seed, policy=CacheConfig(sink=args.sink,
@@ -268,7 +268,7 @@ def cmd_calibrate(args) -> None:
     _check_length(model, args.length)
     layers = describe(model)
     cfg = CacheConfig(content, rope, args.sink, args.recent).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
-    ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size)
+    ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size, args.length * args.samples)
     batch = token_windows(ids, args.length, args.samples)
     if batch.shape[0] < 3:  # one each to fit, select and report
         raise ValueError(f"need at least 3 calibration sequences of {args.length} tokens (fit / select / report); "
@@ -550,7 +550,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--content", default="int4", help="content format (default int4)")
     s.add_argument("--rope", default="int4", help="RoPE format (default int4)")
-    s.add_argument("--group", type=int, help="channels per scale group for integer formats without their own")
+    s.add_argument("--group", type=_positive, help="channels per scale group for integer formats without their own")
     s.add_argument("--sink", type=int, default=4, help="first tokens kept in BF16 (default 4)")
     s.add_argument("--recent", type=int, default=128, help="most recent tokens kept in BF16 (default 128)")
     s.add_argument("--data", help="calibration text file (default: the built-in calibration sample)")

@@ -7,6 +7,7 @@ texts are `quantmla/data/calibration.txt` (from its training split) and `heldout
 from __future__ import annotations
 
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -74,9 +75,22 @@ def tokenizer_for(model_dir: str | Path):
     return tok
 
 
-def encode(text: str, tokenizer, vocab_size: int) -> torch.Tensor:
-    """Token ids [N]. Without a tokenizer, bytes modulo the vocabulary (good enough for random test models)."""
+# A token rarely spans more characters than this: a prefix this many times the tokens needed is enough.
+CHARS_PER_TOKEN_BOUND = 64
+
+
+def encode(text: str, tokenizer, vocab_size: int, max_tokens: int | None = None) -> torch.Tensor:
+    """Token ids [N]. Without a tokenizer, bytes modulo the vocabulary (good enough for random test models;
+    warned about where the vocabulary is larger than a byte-level one's). max_tokens: only the first that many
+    are needed (`token_windows` takes windows from the start), so a long text is tokenized from a prefix."""
+    if max_tokens is not None and len(text) > max_tokens * CHARS_PER_TOKEN_BOUND:
+        ids = encode(text[: max_tokens * CHARS_PER_TOKEN_BOUND], tokenizer, vocab_size)
+        if ids.numel() >= max_tokens:
+            return ids[:max_tokens]
     if tokenizer is None:
+        if vocab_size > 512:
+            warnings.warn(f"the checkpoint has no tokenizer: text goes in as raw bytes modulo its {vocab_size}-token "
+                          "vocabulary, which only suits byte-level models; add its tokenizer.json", stacklevel=2)
         return torch.tensor(list(text.encode("utf-8")), dtype=torch.long) % vocab_size
     return torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.long)
 

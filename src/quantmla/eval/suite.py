@@ -136,7 +136,7 @@ def check_lengths(model, settings: EvalSettings) -> None:
 
 def heldout_windows(tokenizer, vocab_size: int, length: int, count: int, path=None) -> torch.Tensor:
     """Up to `count` non-overlapping windows [N, length] of the held-out text (shipped heldout.txt)."""
-    ids = encode(read_text(path, "heldout.txt"), tokenizer, vocab_size)
+    ids = encode(read_text(path, "heldout.txt"), tokenizer, vocab_size, length * count)
     return token_windows(ids, length, count)
 
 
