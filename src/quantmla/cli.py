@@ -36,7 +36,6 @@ def cmd_info(args) -> None:
     from quantmla.data import resolve_model_dir
     from quantmla.models import describe
     from quantmla.quant import bytes_per_token
-
     from quantmla.calibrate.export import cache_config_of
 
     model_dir = resolve_model_dir(args.model)
@@ -238,7 +237,6 @@ def cmd_calibrate(args) -> None:
     from quantmla.config import CacheConfig
     from quantmla.data import encode, read_text, resolve_model_dir, token_windows, tokenizer_for
     from quantmla.models import describe, load_model
-
     from quantmla.calibrate.export import quantmla_section
 
     model_dir = resolve_model_dir(args.model)

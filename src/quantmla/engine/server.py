@@ -256,9 +256,6 @@ class Chunk:
 
 
 # ---------------------------------------------------------------------------------------------- requests
-GRACEFUL_SHUTDOWN_S = 5
-
-
 class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
@@ -406,7 +403,7 @@ class Server:
         self.llm = llm
         self.tokenizer = llm.tokenizer
         self.model_name = llm.model_name
-        self.max_model_len = llm.max_model_len
+        self.request_limit = min(llm.max_model_len, llm.capacity_tokens)  # prompt + output one request can get
         self.engine = EngineLoop(llm)
         self.text = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="quantmla-text")
         self.created = int(time.time())
@@ -614,14 +611,13 @@ def build_app(llm) -> FastAPI:
         prompt_ids = await server.encode(await server.on_text_thread(chat_prompt, server.tokenizer, req.messages))
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         if max_tokens is None:  # OpenAI's default: as much as the context (and the whole pool) leaves
-            max_tokens = max(min(server.max_model_len, server.llm.capacity_tokens) - len(prompt_ids), 1)
+            max_tokens = max(server.request_limit - len(prompt_ids), 1)
         job = await server.start(prompt_ids, sampling_params(req, max_tokens), stop_strings(req.stop), "chatcmpl")
         return await _respond(server, req, job, request, chat=True)
 
     def model_card() -> dict:
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "quantmla",
-                # what one request can really get: the model's limit or the pool's
-                "max_model_len": min(server.max_model_len, server.llm.capacity_tokens)}
+                "max_model_len": server.request_limit}
 
     @app.get("/v1/models")
     async def models():
@@ -643,6 +639,9 @@ def build_app(llm) -> FastAPI:
         return PlainTextResponse(metrics_text(server.engine.stats()), media_type="text/plain; version=0.0.4")
 
     return app
+
+
+GRACEFUL_SHUTDOWN_S = 5
 
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
