@@ -18,7 +18,7 @@ kernel, and a plain-torch decode (bf16 matmuls + fp32 softmax) on the dequantize
 
 --kernels: which decode kernels get rows: "triton" (quantmla.kernels.mla_decode's Triton kernel, with the
 tuned or default launch config) and/or "cuda" (quantmla.kernels.mla_decode_cuda, integer formats where it is
-supported; "cuda4" / "cuda8" force 4 / 8 warps per CTA) and/or "gluon" (quantmla.kernels.mla_decode_gluon, the
+supported) and/or "gluon" (quantmla.kernels.mla_decode_gluon, the
 Hopper kernel for int4/int4 and few heads, where it is supported); the `kernel` column names it, `auto` says which one `mla_decode` itself would pick
 (`decode_kernel_name`). The speedup is always over the Triton bf16 kernel. --name: the results' file stem.
 
@@ -244,7 +244,7 @@ def main():
     ap.add_argument("--rep", type=float, default=20, help="timed replays per row: about this many ms")
     ap.add_argument("--no-tune", action="store_true", help="use default_config instead of the candidates")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
-    ap.add_argument("--kernels", default="triton", help="comma list of triton, cuda, cuda4, cuda8, gluon")
+    ap.add_argument("--kernels", default="triton", help="comma list of triton, cuda, gluon")
     ap.add_argument("--name", default="decode_kernel", help="results file stem")
     args = ap.parse_args()
     kernels = args.kernels.split(",")
@@ -331,9 +331,8 @@ def main():
                 # bf16 is the baseline: always the Triton kernel
                 for H, kern in [(h, k) for h in heads for k in (["triton"] if f == "bf16" else kernels)]:
                     qn, qp = queries(B, H)
-                    auto = mdc.decode_kernel_name(cache, H, qn.device)
-                    family = "cuda" if kern.startswith("cuda") else kern
-                    unsupported = {"gluon": mdg.unsupported_reason, "cuda": mdc.unsupported_reason}.get(family)
+                    auto = mdc.decode_kernel_name(cache, H, qn.device, L)
+                    unsupported = {"gluon": mdg.unsupported_reason, "cuda": mdc.unsupported_reason}.get(kern)
                     why = unsupported and unsupported(cache, H, qn.device)
                     if why:
                         print(f"B={B:3d} L={L:6d} H={H:3d} {f:9s} {kern}: not run ({why})", flush=True)
@@ -343,12 +342,11 @@ def main():
                         splits = mdg.default_splits(B, L, props.multi_processor_count)
                         fn = lambda: mdg.mla_decode_gluon(qn, qp, cache, tables, seq_lens, slots, SCALE, max_seq_len=L,
                                                           num_sms=props.multi_processor_count)  # fmt: skip
-                    elif kern.startswith("cuda"):
-                        warps = int(kern[4:]) if kern[4:] else None
+                    elif kern == "cuda":
                         cfg = None
-                        splits = mdc.body_splits(B, H, L, props.multi_processor_count) + (1 if cache.window else 0)
+                        splits = mdc.body_splits(B, H, L, props.multi_processor_count, protected=cache.window > 0) + (1 if cache.window else 0)
                         fn = lambda: mdc.mla_decode_cuda(qn, qp, cache, tables, seq_lens, slots, SCALE, max_seq_len=L,
-                                                         num_sms=props.multi_processor_count, warps=warps)  # fmt: skip
+                                                         num_sms=props.multi_processor_count)
                     else:
                         cfg = chosen.get((f, head_class(H))) or default_config(cache, H)
                         splits = num_splits_for(B, H, L, cfg, props.multi_processor_count)

@@ -3,12 +3,14 @@
     PYTHONPATH=src python benchmarks/decode_kernel_ncu.py [--out benchmarks/results]
 
     PYTHONPATH=src python benchmarks/decode_kernel_ncu.py --gluon [--out ...]   # the Gluon kernel's cases
+    PYTHONPATH=src python benchmarks/decode_kernel_ncu.py --cuda [--out ...]    # the CUDA kernel's cases
 
 Runs itself under `ncu` (which must be on PATH) with one launch of the decode kernel per case — by default
 bf16 and int4/int4 at 16 and 128 heads, batch 16, 64K context, the launch configs `default_config` picks
 (Triton's `_mla_decode_kernel`); with --gluon the Triton bf16 and int4/int4 kernels and the Gluon one
-(`_gluon_decode_kernel`, $QUANTMLA_DECODE_KERNEL=gluon) at 16 heads, batch 16, 16K and 64K — and writes
-decode_kernel_ncu[_gluon].json (every metric ncu returned) and decode_kernel_ncu.md: time, DRAM and SM
+(`_gluon_decode_kernel`, $QUANTMLA_DECODE_KERNEL=gluon) at 16 heads, batch 16, 16K and 64K; with --cuda the
+Triton bf16 kernel and the CUDA one (`mla_decode_int`) at 16 heads, batch 16, 16K and 64K — and writes
+decode_kernel_ncu[_gluon|_cuda].json (every metric ncu returned) and decode_kernel_ncu.md: time, DRAM and SM
 throughput, issue-slot use, warps per scheduler, shared-memory pipe use, tensor pipe use and the stall
 reasons (cycles per issued instruction), i.e. what the benchmark's times are made of.
 """
@@ -34,6 +36,8 @@ CASES = [("bf16", 16, "triton", 16, 65536), ("int4/int4", 16, "triton", 16, 6553
 GLUON_CASES = [("bf16", 16, "triton", 16, 16384), ("int4/int4", 16, "triton", 16, 16384),
                ("int4/int4", 16, "gluon", 16, 16384), ("int4/int4", 16, "triton", 16, 65536),
                ("int4/int4", 16, "gluon", 16, 65536)]  # fmt: skip
+CUDA_CASES = [("bf16", 16, "triton", 16, 16384), ("int4/int4", 16, "cuda", 16, 16384),
+              ("int4/int4", 16, "cuda", 16, 65536)]  # fmt: skip
 NCU_PATHS = ["/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/ncu"]
 SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "Occupancy", "SchedulerStats",
             "WarpStateStats", "LaunchStats"]  # fmt: skip
@@ -68,9 +72,11 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--from-json", metavar="FILE", help="rewrite the markdown table from a saved JSON profile")
     ap.add_argument("--gluon", action="store_true", help="profile the Gluon kernel's cases (GLUON_CASES)")
+    ap.add_argument("--cuda", action="store_true", help="profile the CUDA kernel's cases (CUDA_CASES)")
     ap.add_argument("--cases", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
     args = ap.parse_args()
-    cases, out_name = (GLUON_CASES, "decode_kernel_ncu_gluon") if args.gluon else (CASES, "decode_kernel_ncu")
+    cases, out_name = ((GLUON_CASES, "decode_kernel_ncu_gluon") if args.gluon else
+                       (CUDA_CASES, "decode_kernel_ncu_cuda") if args.cuda else (CASES, "decode_kernel_ncu"))  # fmt: skip
     if args.cases:
         return run_cases(cases)
     if args.from_json:
@@ -80,12 +86,13 @@ def main():
     ncu = shutil.which("ncu") or next((p for p in NCU_PATHS if os.path.exists(p)), None)
     if ncu is None:
         sys.exit("ncu (Nsight Compute) is not on PATH")
-    cmd = [ncu, "--target-processes", "all", "-k", "regex:^_(mla|gluon)_decode_kernel", "--launch-count", str(len(cases)),
+    cmd = [ncu, "--target-processes", "all", "-k", "regex:^(_mla_decode_kernel|_gluon_decode_kernel|mla_decode_int)", "--launch-count", str(len(cases)),
            "--csv", "--page", "raw", "--cache-control", "all", "--clock-control", "none"]  # fmt: skip
     for s in SECTIONS:
         cmd += ["--section", s]
     cmd += ["--metrics", ",".join([STALLS, PIPES, SHARED])]
-    cmd += [sys.executable, os.path.abspath(__file__), "--cases"] + (["--gluon"] if args.gluon else [])
+    cmd += [sys.executable, os.path.abspath(__file__), "--cases"]
+    cmd += ["--gluon"] if args.gluon else ["--cuda"] if args.cuda else []
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     text = res.stdout
     start = text.find('"ID"')

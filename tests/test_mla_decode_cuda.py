@@ -44,6 +44,28 @@ def _codes2(y, sh, bits):  # lop3 into bf16 128.0: the two codes at bits sh and 
     return 128 + ((y >> sh) & m), 128 + ((y >> (sh + 16)) & m)
 
 
+def _sub_codes(wd, r, bits):  # = sub_codes in mla_decode_int.cu, as integers (the fp16 subnormal * 2^24)
+    cpb = 8 // bits
+    u, s, j = r // (2 * cpb), (r // cpb) & 1, r % cpb
+    y = wd[u] >> 8 if s else wd[u]
+    m = ((1 << bits) - 1) << (bits * j)
+    return y & m, (y >> 16) & m
+
+
+def _q_slot(ks, t, hi, CB, RB, DC, RG):  # = q_slot in mla_decode_int.cu: (channel lo, channel hi, shift)
+    rope = ks >= DC // 16
+    bits, cpb = (RB, 8 // RB) if rope else (CB, 8 // CB)
+    kpg = RG // 16 if rope else 4
+    kk = (ks - DC // 16) % kpg if rope else ks % 4
+    grp = (ks - DC // 16) // kpg if rope else ks // 4
+    wt = (RG * RB // 8) // 16 if rope else (64 * CB // 8) // 16
+    r = 2 * kk + hi
+    u, s, j = r // (2 * cpb), (r // cpb) & 1, r % cpb
+    wi = grp * 4 * wt + t * wt + u
+    base = DC if rope else 0
+    return base + (4 * wi + s) * cpb + j, base + (4 * wi + 2 + s) * cpb + j, bits * j
+
+
 def _words(codes, bits):  # one token's packed row as little-endian 32-bit words (quantize()'s layout)
     per = 8 // bits
     by = np.zeros(len(codes) // per, dtype=np.uint8)
@@ -52,81 +74,63 @@ def _words(codes, bits):  # one token's packed row as little-endian 32-bit words
     return by, by.view("<u4")
 
 
-@pytest.mark.parametrize("CB,RB,DC,DR,RG,NW", [(4, 4, 512, 64, 64, 4), (2, 4, 512, 64, 64, 4), (4, 4, 256, 32, 32, 4),
-                                             (2, 2, 512, 64, 64, 4), (4, 4, 512, 64, 64, 8), (2, 4, 512, 64, 64, 8)])
-def test_fragment_maps_reproduce_the_products(CB, RB, DC, DR, RG, NW):
+@pytest.mark.parametrize("CB,RB,DC,DR,RG", [(4, 4, 512, 64, 64), (2, 4, 512, 64, 64), (4, 4, 256, 32, 32),
+                                          (2, 2, 512, 64, 64), (4, 2, 256, 64, 64)])
+def test_fragment_maps_reproduce_the_products(CB, RB, DC, DR, RG):
+    """Scores: per scale group, the mma chain of q' (k slots of q_slot, divided by 2^shift) and the
+    subnormal codes of each thread's own words gives q_g . codes_g^T. Values: P (128 + codes) with lane g
+    holding bytes of channels 8 g + [0, 8) of group w, tile jn = channel 8 g + jn."""
     rng = np.random.default_rng(0)
-    cpw, cpw_r = 32 // CB, 32 // RB
-    SLICE = DC // NW
-    GPW, WPG, SPW = SLICE // 64, 64 // cpw, cpw // 4
-    NWC, NWR, SPW_R = WPG // 4, DR // cpw_r // 4, cpw_r // 4
-
-    def qc_channel(w, ks, t, kp, hi):  # = qc_channel in mla_decode_int.cu
-        gi, mm, sl = ks // (NWC * SPW), (ks // SPW) % NWC, ks % SPW
-        return w * SLICE + (WPG * gi + t + 4 * mm) * cpw + 2 * sl + hi + kp * (cpw // 2)
-
-    def qr_channel(ks, t, kp, hi):
-        mm, sl = ks // SPW_R, ks % SPW_R
-        return (t + 4 * mm) * cpw_r + 2 * sl + hi + kp * (cpw_r // 2)
-
-    def a_frag(q, chan):  # A fragment of q [16, dim] under a k-slot -> channel map chan(t, kp, hi)
-        return [[(q[(lane >> 2) + 8 * (r & 1), chan(lane & 3, 0, r >> 1)], q[(lane >> 2) + 8 * (r & 1), chan(lane & 3, 1, r >> 1)])
-                 for r in range(4)] for lane in range(32)]  # fmt: skip
-
-    def c_of(M):  # a [16, 8] matrix in C-fragment order
-        return np.array([[M[g, 2 * t], M[g, 2 * t + 1], M[g + 8, 2 * t], M[g + 8, 2 * t + 1]] for g, t in (divmod(i, 4) for i in range(32))])
-
-    q, qp = rng.integers(-4, 5, (16, DC)).astype(float), rng.integers(-4, 5, (16, DR)).astype(float)
-    codes, rcodes = rng.integers(0, 1 << CB, (16, DC)), rng.integers(0, 1 << RB, (16, DR))
-    rows = [_words(codes[n], CB) for n in range(16)]
-    rrows = [_words(rcodes[n], RB)[1] for n in range(16)]
-    for w in range(NW):  # scores, content: one mma chain per 64-channel group, tokens 0..7 as the n8 tile
-        for gi in range(GPW):
-            acc = 0
-            for mm in range(NWC):
-                for sl in range(SPW):
-                    ks = (gi * NWC + mm) * SPW + sl
-                    B = []
-                    for lane in range(32):
-                        y = int(rows[lane >> 2][1][w * SLICE * CB // 32 + WPG * gi + (lane & 3) + 4 * mm])
-                        B.append([_codes2(y, CB * 2 * sl, CB), _codes2(y, CB * (2 * sl + 1), CB)])
-                    acc = acc + _mma(a_frag(q, lambda t, kp, hi: qc_channel(w, ks, t, kp, hi)), B)
-            ch = slice(w * SLICE + 64 * gi, w * SLICE + 64 * gi + 64)
-            np.testing.assert_allclose(acc, c_of(q[:, ch] @ (128 + codes[:8, ch]).T))
-    acc = {}  # scores, rope: whole rows in one warp
-    for mm in range(NWR):
-        for sl in range(SPW_R):
-            ks = mm * SPW_R + sl
-            B = [[_codes2(int(rrows[lane >> 2][(lane & 3) + 4 * mm]), RB * 2 * sl, RB),
-                  _codes2(int(rrows[lane >> 2][(lane & 3) + 4 * mm]), RB * (2 * sl + 1), RB)] for lane in range(32)]  # fmt: skip
-            rg = 4 * mm * cpw_r // RG
-            acc[rg] = acc.get(rg, 0) + _mma(a_frag(qp, lambda t, kp, hi: qr_channel(ks, t, kp, hi)), B)
-    for rg, a in acc.items():
-        ch = slice(rg * RG, rg * RG + RG)
-        np.testing.assert_allclose(a, c_of(qp[:, ch] @ (128 + rcodes[:8, ch]).T))
-    # values: tokens 0..15 as k; lane g holds channels 64 G + 8 g + [0, 8) of two tokens side by side
+    q = rng.integers(-4, 5, (16, DC + DR)).astype(float)  # content then rope channels, one row per head
+    codes = np.concatenate([rng.integers(0, 1 << CB, (8, DC)), rng.integers(0, 1 << RB, (8, DR))], 1)
+    rows = [_words(codes[n, :DC], CB)[1] for n in range(8)]
+    rrows = [_words(codes[n, DC:], RB)[1] for n in range(8)]
+    groups = [(g, 0, 64 * g, 4, CB) for g in range(DC // 64)] + [(g, 1, DC + RG * g, RG // 16, RB) for g in range(DR // RG)]
+    for grp, rope, c0, kpg, bits in groups:
+        wt = (RG * RB // 8) // 16 if rope else (64 * CB // 8) // 16
+        ks0 = DC // 16 + grp * kpg if rope else 4 * grp
+        acc = 0
+        for kk in range(kpg):
+            A, B = [], []
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                frag = []
+                for r in range(4):
+                    lo, hi, sh = _q_slot(ks0 + kk, t, r >> 1, CB, RB, DC, RG)
+                    frag.append((q[g + 8 * (r & 1), lo] / 2**sh, q[g + 8 * (r & 1), hi] / 2**sh))
+                A.append(frag)
+                src = rrows[g] if rope else rows[g]
+                wd = [int(src[grp * 4 * wt + t * wt + u]) for u in range(wt)]
+                B.append([_sub_codes(wd, 2 * kk, bits), _sub_codes(wd, 2 * kk + 1, bits)])
+            acc = acc + _mma(A, B)
+        ch = slice(c0, c0 + (RG if rope else 64))
+        S = q[:, ch] @ codes[:, ch].T
+        np.testing.assert_allclose(acc, [[S[g, 2 * t], S[g, 2 * t + 1], S[g + 8, 2 * t], S[g + 8, 2 * t + 1]]
+                                         for g, t in (divmod(i, 4) for i in range(32))])  # fmt: skip
+    # values: tokens 0..15 as k
+    vcodes = rng.integers(0, 1 << CB, (16, DC))
+    vrows = [_words(vcodes[n], CB)[0] for n in range(16)]
     P = rng.integers(0, 4, (16, 16)).astype(float)
     Ap = [[(P[(lane >> 2) + 8 * (r & 1), 2 * (lane & 3) + 8 * (r >> 1)], P[(lane >> 2) + 8 * (r & 1), 2 * (lane & 3) + 8 * (r >> 1) + 1])
            for r in range(4)] for lane in range(32)]  # fmt: skip
-    for w in range(NW):
-        for gi in range(GPW):
-            G = w * GPW + gi
-            out = np.zeros((16, 64))
-            for j in range(8):
-                B = []
-                for lane in range(32):
-                    g, t = lane >> 2, lane & 3
-                    cw = [int.from_bytes(bytes(rows[2 * t + (e & 1) + 8 * (e >> 1)][0][G * 8 * CB + g * CB:][:CB]), "little")
-                          for e in range(4)]  # fmt: skip
-                    lo = [(cw[0] & 0xFFFF) | (cw[1] & 0xFFFF) << 16, (cw[2] & 0xFFFF) | (cw[3] & 0xFFFF) << 16]
-                    hi = [(cw[0] >> 16) | (cw[1] >> 16) << 16, (cw[2] >> 16) | (cw[3] >> 16) << 16]
-                    z = lo if CB * j < 16 else hi
-                    B.append([_codes2(z[0], CB * j % 16, CB), _codes2(z[1], CB * j % 16, CB)])
-                C = _mma(Ap, B)
-                for lane in range(32):  # the epilogue's map: column 2t -> channel 16t + j, 2t+1 -> 16t + 8 + j
-                    g, t = lane >> 2, lane & 3
-                    out[g, 16 * t + j], out[g, 16 * t + 8 + j], out[g + 8, 16 * t + j], out[g + 8, 16 * t + 8 + j] = C[lane]
-            np.testing.assert_allclose(out, P @ (128 + codes[:, 64 * G:64 * G + 64]))
+    nb = 8 * CB // 8  # bytes of a lane's 8 channels
+    for w in range(DC // 64):
+        out = np.zeros((16, 64))
+        for jn in range(8):
+            B = []
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                cw = [int.from_bytes(bytes(vrows[2 * t + (e & 1) + 8 * (e >> 1)][w * 8 * CB + g * nb:][:nb]), "little")
+                      for e in range(4)]  # fmt: skip
+                lo = [(cw[0] & 0xFFFF) | (cw[1] & 0xFFFF) << 16, (cw[2] & 0xFFFF) | (cw[3] & 0xFFFF) << 16]
+                hi = [(cw[0] >> 16) | (cw[1] >> 16) << 16, (cw[2] >> 16) | (cw[3] >> 16) << 16]
+                z = lo if CB * jn < 16 else hi
+                B.append([_codes2(z[0], CB * jn % 16, CB), _codes2(z[1], CB * jn % 16, CB)])
+            C = _mma(Ap, B)
+            for lane in range(32):  # the epilogue's map: column 2t -> channel 16t + jn, 2t+1 -> 16t + 8 + jn
+                g, t = lane >> 2, lane & 3
+                out[g, 16 * t + jn], out[g, 16 * t + 8 + jn], out[g + 8, 16 * t + jn], out[g + 8, 16 * t + 8 + jn] = C[lane]
+        np.testing.assert_allclose(out, P @ (128 + vcodes[:, 64 * w:64 * w + 64]))
 
 
 # --- the kernel on the GPU ------------------------------------------------------------------------------------
@@ -140,12 +144,12 @@ if GPU:
 LENS = [0, 1, 7, 131, 132, 133, 200, 257, 700, 4097]
 
 
-def _run(fmts, H, lens=LENS, dc=512, dr=64, splits=None, odt=torch.float32, sink=4, recent=128, seed=0, warps=None):
+def _run(fmts, H, lens=LENS, dc=512, dr=64, splits=None, odt=torch.float32, sink=4, recent=128, seed=0):
     cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, lens, page=64, recent=recent, sink=sink, seed=seed)
     qn, qp = queries(len(lens), H, dc, dr)
     assert mdc.unsupported_reason(cache, H, qn.device) is None
     out, lse = mdc.mla_decode_cuda(qn, qp, cache, table, seq_lens, slots, 0.05, max_seq_len=max(lens),
-                                   out_dtype=odt, num_splits=splits, warps=warps)  # fmt: skip
+                                   out_dtype=odt, num_splits=splits)  # fmt: skip
     assert out.dtype == odt and out.shape == (len(lens), H, dc) and lse.shape == (len(lens), H)
     check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
     return cache
@@ -154,24 +158,21 @@ def _run(fmts, H, lens=LENS, dc=512, dr=64, splits=None, odt=torch.float32, sink
 @needs_gpu
 @pytest.mark.parametrize("fmts", [("int4", "int4"), ("int2", "int4")])
 @pytest.mark.parametrize("H", [1, 8, 16])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_cuda_kernel_matches_reference(fmts, H, warps):
-    _run(fmts, H, warps=warps)
+def test_cuda_kernel_matches_reference(fmts, H):
+    _run(fmts, H)
 
 
 @needs_gpu
 @pytest.mark.parametrize("splits", [1, 3, 7])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_cuda_kernel_splits_and_bf16_out(splits, warps):
-    _run(("int4", "int4"), 16, splits=splits, odt=torch.bfloat16, seed=splits, warps=warps)
+def test_cuda_kernel_splits_and_bf16_out(splits):
+    _run(("int4", "int4"), 16, splits=splits, odt=torch.bfloat16, seed=splits)
 
 
 @needs_gpu
 @pytest.mark.parametrize("sink,recent", [(0, 0), (0, 64), (70, 8)])
-@pytest.mark.parametrize("warps", [4, 8])
-def test_cuda_kernel_windows(sink, recent, warps):
+def test_cuda_kernel_windows(sink, recent):
     """No protected rows at all (no extra split), a window with no sink, a sink longer than a tile."""
-    _run(("int4", "int4"), 16, lens=[0, 5, 64, 65, 78, 79, 300, 1000], sink=sink, recent=recent, warps=warps)
+    _run(("int4", "int4"), 16, lens=[0, 5, 64, 65, 78, 79, 300, 1000], sink=sink, recent=recent)
 
 
 @needs_gpu
@@ -206,11 +207,12 @@ def test_dispatch_and_refusals(monkeypatch):
     cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, [100], page=64, recent=128)
     dev = torch.device("cuda")
     monkeypatch.delenv(mdc.ENV, raising=False)
-    assert mdc.decode_kernel_name(cache, 16, dev) == "triton"  # opt-in until it is faster
-    monkeypatch.setattr(mdc, "AUTO_CUDA_MAX_HEADS", 16)  # the auto policy once it is on
-    assert mdc.decode_kernel_name(cache, 16, dev) == "cuda"
-    assert mdc.decode_kernel_name(cache, 128, dev) == "triton"
-    assert mdc.decode_kernel_name(cache, 16, torch.device("cpu")) == "triton"
+    long = mdc.AUTO_CUDA_MIN_SEQ
+    assert mdc.decode_kernel_name(cache, 16, dev, long) == "cuda"  # where it measured faster
+    assert mdc.decode_kernel_name(cache, 16, dev, long - 1) == "triton"
+    assert mdc.decode_kernel_name(cache, 16, dev) == "triton"  # no bound given: not chosen
+    assert mdc.decode_kernel_name(cache, 128, dev, long) == "triton"
+    assert mdc.decode_kernel_name(cache, 16, torch.device("cpu"), long) == "triton"
     monkeypatch.setenv(mdc.ENV, "triton")
     assert mdc.decode_kernel_name(cache, 16, dev) == "triton"
     monkeypatch.setenv(mdc.ENV, "cuda")
@@ -220,7 +222,7 @@ def test_dispatch_and_refusals(monkeypatch):
                             (("int4", "int4"), 32, "pages"), (("int4", "int2:32"), 64, "rope")]:  # fmt: skip
         c, *_ = fill(fmts, 512, 64 if fmts[1] != "int2:32" else 32, [100], page=page, recent=128)
         assert why in (mdc.unsupported_reason(c, 16, dev) or ""), fmts
-        assert mdc.decode_kernel_name(c, 16, dev) == "triton"
+        assert mdc.decode_kernel_name(c, 16, dev, long) == "triton"
         with pytest.raises(ValueError, match="cannot run"):
             q = torch.zeros(1, 16, c.kv_lora_rank, device=dev)
             mdc.mla_decode_cuda(q, torch.zeros(1, 16, c.rope_dim, device=dev), c, table, seq_lens, slots, 0.1,
@@ -263,8 +265,7 @@ def test_token_axis_caches_never_go_to_the_cuda_kernel(monkeypatch, fmts):
     cache = PagedMLACache.allocate(CacheConfig(*fmts), 512, 64, 2, 1, block_size=64, device="meta")
     for choice in ("auto", "cuda"):
         monkeypatch.setenv(mdc.ENV, choice)
-        monkeypatch.setattr(mdc, "AUTO_CUDA_MAX_HEADS", 16)
-        assert mdc.decode_kernel_name(cache, 16, torch.device("cuda")) == "triton"
+        assert mdc.decode_kernel_name(cache, 16, torch.device("cuda"), 1 << 20) == "triton"
     assert "token-axis" in mdc.unsupported_reason(cache, 16, torch.device("cuda"))
     with pytest.raises(ValueError, match="cannot run this: token-axis"):
         mdc.mla_decode_cuda(torch.zeros(1, 16, 512), torch.zeros(1, 16, 64), cache, None, None, None, 0.1,

@@ -13,11 +13,13 @@ What it takes (`unsupported_reason` says why not, and the Triton kernel then run
   - pages of a multiple of 64 tokens; protected rows in bf16;
   - pools of whole contiguous rows (row strides may exceed the width, as in vLLM's packed rows), code rows
     16-byte aligned; scale and zero with one row stride.
+  - kv_lora_rank 256 or 512 (one warp per 64-channel content group), at most 16 scale groups.
 Heads are processed 16 per CTA (padded): the kernel reads the cache once per 16 heads, so it is meant for
 H <= 16.
 
-Opt-in ($QUANTMLA_DECODE_KERNEL=cuda): correct but not yet faster than the Triton kernel on the H200;
-measurements and profile in benchmarks/results/decode_kernel_cuda.md.
+"auto" picks it for H <= AUTO_CUDA_MAX_HEADS and max_seq_len >= AUTO_CUDA_MIN_SEQ, where it measured faster
+than the Triton kernel on the H200 at every batch size (benchmarks/results/decode_kernel_cuda_v2.md; at 4K
+and B >= 16 it is slower: the per-CTA prologue and the protected split weigh more there).
 
 Build: nvcc -cubin for the device's architecture, one binary per (bits, dims, rope group), cached on disk under
 $QUANTMLA_CACHE_DIR (default ~/.cache/quantmla/cuda), keyed by the source's hash and the options; loaded with the
@@ -41,11 +43,13 @@ import torch
 
 SRC = Path(__file__).with_name("mla_decode_int.cu")
 NT = 64  # tokens per tile (a page must hold whole tiles)
+STAGES = 3  # cp.async ring depth of the code tiles
 ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | gluon | auto
-# Heads per call up to which "auto" picks the CUDA kernel (it reads the cache once per 16 heads); 0: never.
-# It is 0 because on the H200 the CUDA kernel is not faster than the Triton one yet
-# (benchmarks/results/decode_kernel_cuda.md: 0.54-0.89x the bf16 kernel, Triton INT4 0.68-0.91x).
-AUTO_CUDA_MAX_HEADS = 0
+# "auto" picks the CUDA kernel up to this many heads (it reads the cache once per 16 heads) and from this
+# max_seq_len on (benchmarks/results/decode_kernel_cuda_v2.md, H200, 16 heads: faster than Triton's INT4
+# kernel at 16K and 64K for B = 1, 16, 64; slower at 4K for B >= 16).
+AUTO_CUDA_MAX_HEADS = 16
+AUTO_CUDA_MIN_SEQ = 16384
 
 
 def _int_bits(fmt) -> int | None:
@@ -71,12 +75,11 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
     cg, rg = cache.content.fmt.group, cache.rope.fmt.group
     if cg != 64:
         return f"needs content group 64, got {cg}"
-    if dc % 256:
-        return f"needs kv_lora_rank a multiple of 256, got {dc}"
-    if dr % rg or rg % (4 * 32 // rb) or (dr * rb) % 128:
-        return f"needs rope dims * bits a multiple of 128 and rope group a multiple of {4 * 32 // rb}, got {dr}, {rg}"
-    if dr // 16 not in (1, 2, 4):
-        return f"needs rope dims of 16, 32 or 64, got {dr}"
+    if dc not in (256, 512):
+        return f"needs kv_lora_rank 256 or 512 (one warp per 64-channel group), got {dc}"
+    if dr % rg or rg % 16 or (rg * rb) % 128 or dc // 64 + dr // rg > 16:
+        return (f"needs rope groups of whole 16-channel steps and 16 bytes per token (got rope dims {dr}, group "
+                f"{rg}, {rb} bits) and at most 16 scale groups")
     if cache.block_size % NT:
         return f"needs pages of a multiple of {NT} tokens, got {cache.block_size}"
     if cache.window and (cache.protected_content.dtype != torch.bfloat16 or cache.protected_rope.dtype != torch.bfloat16):
@@ -91,14 +94,15 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
     return None
 
 
-def decode_kernel_name(cache, num_heads: int, device) -> str:
+def decode_kernel_name(cache, num_heads: int, device, max_seq_len: int | None = None) -> str:
     """Which kernel `mla_decode` runs for this cache, head count and device: "cuda", "gluon" or "triton".
 
     $QUANTMLA_DECODE_KERNEL: "triton" always Triton; "cuda" the CUDA kernel (mla_decode raises if it cannot
     run); "gluon" the Hopper Gluon kernel of `mla_decode_gluon` (opt-in, never chosen by "auto"; raises
-    ValueError if it cannot run); "auto" (default) the CUDA kernel where it is supported and num_heads <= AUTO_CUDA_MAX_HEADS (0 for
-    now: the CUDA kernel is opt-in until it is measured faster). A cache with a token-axis or a ranked path
-    is always Triton's: the other kernels read neither token-axis scales nor partial rows."""
+    ValueError if it cannot run); "auto" (default) the CUDA kernel where it is supported, num_heads <=
+    AUTO_CUDA_MAX_HEADS and max_seq_len >= AUTO_CUDA_MIN_SEQ (where it measured faster), else Triton. A cache
+    with a token-axis or a ranked path is always Triton's: the other kernels read neither token-axis scales
+    nor partial rows."""
     choice = os.environ.get(ENV, "auto").lower()
     if choice not in ("triton", "cuda", "gluon", "auto"):
         raise ValueError(f"{ENV} must be triton, cuda, gluon or auto, got {choice!r}")
@@ -108,7 +112,8 @@ def decode_kernel_name(cache, num_heads: int, device) -> str:
         return "triton"
     if choice in ("cuda", "gluon"):
         return choice
-    if num_heads <= AUTO_CUDA_MAX_HEADS and unsupported_reason(cache, num_heads, device) is None:
+    if (num_heads <= AUTO_CUDA_MAX_HEADS and (max_seq_len or 0) >= AUTO_CUDA_MIN_SEQ
+            and unsupported_reason(cache, num_heads, device) is None):  # fmt: skip
         return "cuda"
     return "triton"
 
@@ -205,40 +210,36 @@ def _kernel(device: torch.device, defines: dict[str, int]) -> tuple[int, int]:
         return _kernels[key]
 
 
-def default_warps(cache) -> int:
-    """Warps per CTA: 8 (each warp 64 content channels; 2 CTAs per SM at <= 128 registers) where dc allows it."""
-    return 8 if cache.kv_lora_rank % 512 == 0 else 4
-
-
-def _defines(cache, warps: int | None = None) -> dict[str, int]:
-    warps = warps or default_warps(cache)
-    if warps not in (4, 8) or cache.kv_lora_rank % (64 * warps) or (cache.rope_dim // 16) > warps:
-        raise ValueError(f"{warps} warps do not fit kv_lora_rank {cache.kv_lora_rank}, rope {cache.rope_dim}")
+def _defines(cache) -> dict[str, int]:
     return {"CB": _int_bits(cache.content.fmt), "RB": _int_bits(cache.rope.fmt), "DC": cache.kv_lora_rank,
-            "DR": cache.rope_dim, "RG": cache.rope.fmt.group, "NWARPS": warps,
-            "STAGES": 3 if warps == 4 else 2}  # fmt: skip  (8 warps: 2 stages keep 2 CTAs per SM in shared memory)
+            "DR": cache.rope_dim, "RG": cache.rope.fmt.group, "STAGES": STAGES}  # fmt: skip
 
 
-def prepare(cache, device, warps: int | None = None) -> None:
+def prepare(cache, device) -> None:
     """Build and load the kernel for this cache's formats (do it before capturing a CUDA graph)."""
-    _kernel(torch.device(device), _defines(cache, warps))
+    _kernel(torch.device(device), _defines(cache))
 
 
 def body_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, protected: bool = True,
-                ctas_per_sm: int = 2, min_split: int = 512) -> int:
-    """Splits of the quantized body per sequence: all CTAs (the protected split included) in one wave of
-    ctas_per_sm per SM, none shorter than min_split tokens (each split costs a partial write and read)."""
+                ctas_per_sm: int = 2, min_split: int = 512, prot_tiles: int = 12) -> int:
+    """Splits of the quantized body per sequence, none shorter than min_split tokens (each split costs a
+    partial write and read). The body CTAs fill one wave of ctas_per_sm per SM. With protected rows, each
+    sequence also has a protected split: leaving a slot for it (one body split fewer) costs a longer body
+    split; not leaving one makes a few body CTAs start when the first protected splits end, about
+    prot_tiles tiles late (measured on the H200, benchmarks/results/decode_kernel_cuda_v2.md). The rule
+    takes whichever costs fewer tiles."""
     ctas = batch * -(-num_heads // 16)
-    want = max(1, (num_sms * ctas_per_sm) // max(ctas, 1) - int(protected))
-    return max(1, min(want, -(-max(max_seq_len, 1) // min_split)))
+    fit = max(1, (num_sms * ctas_per_sm) // max(ctas, 1))
+    tiles = lambda n: -(-max(max_seq_len, 1) // (NT * n))  # noqa: E731
+    if protected and fit > 1 and tiles(fit - 1) - tiles(fit) <= prot_tiles:
+        fit -= 1
+    return max(1, min(fit, -(-max(max_seq_len, 1) // min_split)))
 
 
 def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, *, max_seq_len: int,
-                    out_dtype=torch.float32, num_splits: int | None = None, num_sms: int = 132,
-                    warps: int | None = None):
+                    out_dtype=torch.float32, num_splits: int | None = None, num_sms: int = 132):
     """The CUDA kernel + the Triton split combine. Contract: the module docstring. num_splits: body splits
-    (default `body_splits`); max_seq_len: an upper bound on seq_lens (sizes the splits; no host sync);
-    warps: 4 or 8 per CTA (default `default_warps`)."""
+    (default `body_splits`); max_seq_len: an upper bound on seq_lens (sizes the splits; no host sync)."""
     from quantmla.kernels.mla_decode import LOG2E, _combine_kernel  # the Triton combine, shared
 
     reason = unsupported_reason(cache, q_nope_absorbed.shape[1], q_nope_absorbed.device)
@@ -246,7 +247,7 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
         raise ValueError(f"the CUDA decode kernel cannot run this: {reason}")
     B, H, dc = q_nope_absorbed.shape
     dev = q_nope_absorbed.device
-    defs = _defines(cache, warps)
+    defs = _defines(cache)
     fn, smem = _kernel(dev, defs)
     qn, qp = q_nope_absorbed, q_pe
     if qn.dtype not in (torch.bfloat16, torch.float32):
@@ -283,10 +284,9 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
     ]  # fmt: skip
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(dev).cuda_stream
-    _check(_cu().cuLaunchKernel(P(fn), nst, B, -(-H // 16), 32 * defs["NWARPS"], 1, 1, smem, P(stream), params, None), "cuLaunchKernel")
+    _check(_cu().cuLaunchKernel(P(fn), nst, B, -(-H // 16), 32 * (dc // 64), 1, 1, smem, P(stream), params, None), "cuLaunchKernel")
     _combine_kernel[(H, B)](po, plse, out, lse, H, nst, dc, num_warps=4)
     return out, lse
 
 
-__all__ = ["ENV", "body_splits", "decode_kernel_name", "default_warps", "mla_decode_cuda", "prepare",
-           "unsupported_reason"]
+__all__ = ["ENV", "body_splits", "decode_kernel_name", "mla_decode_cuda", "prepare", "unsupported_reason"]

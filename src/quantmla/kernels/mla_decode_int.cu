@@ -1,32 +1,31 @@
-// Absorbed-MLA decode over the paged integer cache, few heads (<= 16 per CTA), mma.sync with the integer
-// codes turned straight into tensor-core operand registers. Launcher and contract: mla_decode_cuda.py.
+// Absorbed-MLA decode over the paged integer cache, few heads (<= 16 per CTA): mma.sync m16n8k16 with the
+// integer codes turned straight into tensor-core operand registers. Launcher and contract: mla_decode_cuda.py.
 //
-// Compile-time config (-D): CB, RB (content / rope bits: 4 or 2), DC, DR (dims), RG (rope group).
-// The content group is 64 channels. One CTA = (split, sequence, head block of 16), NWARPS warps, tiles of
-// NT = 64 tokens (one block-table entry each: the page is a multiple of 64).
+// Compile-time config (-D): CB, RB (content / rope bits: 4 or 2), DC, DR (dims), RG (rope group), STAGES.
+// Content groups are 64 channels. One CTA = (split, sequence, block of 16 heads) = NW = DC / 64 warps, one
+// per content group; tiles of NT = 64 tokens (one block-table entry each: a page holds whole tiles).
 //
-// Per tile:
-//   scores  S[16 heads, 64 tokens]: the channel (K) dimension split over the NWARPS warps (warp w: content
-//           channels [SLICE w, SLICE (w+1)); rope k16 step w mod (DR/16) for a share of the token n8-tiles).
-//           B operands are the raw
-//           codes as bf16 128 + code (lop3 into the mantissa of 128.0, exact); one mma chain per 64-channel
-//           group, then S += scale * acc + (zero - 128 scale) * sum(q over the group)  (fp32, exact scale).
-//           A dot product does not care how k is ordered, so the k slots of a fragment are assigned to
-//           channels that make each thread's codes whole 32-bit words; q's A fragments use the same map.
-//   softmax the warps' partial scores are summed through shared memory (each warp sums 64/NWARPS tokens), the
-//           tile max per head is exchanged, P (bf16) goes to shared memory.
-//   values  O[16, DC] += P c: the channel (N) dimension split over the warps (warp w: its SLICE channels).
-//           B operands are again 128 + code (two tokens' bytes side by side by one prmt); the per-token,
-//           per-group scale moves into A: P'_g = P * scale[., g]; then O -= 136 * sum_n P'_g (an mma with
-//           a constant B) and O += sum_n P * (zero + 8 scale) (an mma with B = the centred zeros, hi + lo).
-// Protected BF16 rows (sink + recent window) are read straight from global memory by one extra split per
-// sequence (split index nsb), through the same fragment maps (scale 1, zero 0).
+// Per body tile:
+//   scores  warp w owns NJ = 8 / NW n8-tiles of tokens and every channel, so no partial sums cross warps:
+//             S[16 heads, token] = 2^(6+e) Z + sum_g scale[t, g] 2^(24+e) acc_g      (fp32, log2 units)
+//           acc_g = mma chains in fp16 over the channels of scale group g. The B operand is the codes: one
+//           AND puts the code at bits [b, b + bits) of a 16-bit half into an fp16 subnormal worth
+//           code * 2^(b-24), exactly (no offset, no int->float conversion; a shift by 8 reaches the odd
+//           byte). The A operand is q' = fp16(q * qk_scale * 2^-e / 2^b) (e puts max |q'| in [2^13, 2^14)),
+//           staged once per CTA in shared memory as ready fragments: a dot product does not care how k is
+//           ordered, so each thread's k slots are the codes of its own words (`q_slot` below).
+//           Z = sum_g zero[t, g] qsum_g 2^-6, one mma pair per n8 tile (zero fp16 exact; qsum 2^-6 as fp16
+//           hi + lo; qsum = the sum of the effective q over the group).
+//   softmax the tile max per head goes through shared memory; P (bf16) too.
+//   values  warp w: O[16, 64 channels of group w] += P'_w . (128 + code) in bf16 with P'_w = P * scale[t, w]
+//           (codes by lop3 into the mantissa of bf16 128.0, exact; prmt pairs two tokens), corr += P'_w .
+//           (128 + mid) (an mma with a constant B: the same rounded P', so the offset cancels exactly), and
+//           warp 0 accumulates W[h, g] = P . (zero + mid * scale)[t, g] (hi + lo bf16, all groups at once).
+//           At the end O = o - corr + W[., w]. Column n of value tile jn is channel 64 w + 8 n + jn.
+// Protected BF16 rows (sink + recent window) are one extra split per sequence (split index nsb), read from
+// global memory (clamped to a valid row: P = 0 drops the rest) with q in bf16 in plain channel order.
 // Codes of body tiles are staged in shared memory by cp.async (STAGES deep); the scales and zeros of the next
 // tile are loaded into registers one tile ahead and converted when stored to shared memory.
-//
-// Status (H200, benchmarks/results/decode_kernel_cuda.md): correct, but slower than the Triton kernel
-// (INT4/INT4, 16 heads: 0.54-0.84x the bf16 kernel at >= 16K); latency- and instruction-bound (~160 warp
-// instructions per cached token, a third of them address arithmetic of the staging loops). Opt-in.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -47,61 +46,62 @@
 #ifndef RG
 #define RG 64
 #endif
-
-#ifndef NWARPS
-#define NWARPS 4     // 4 or 8 (8: DC a multiple of 512)
-#endif
 #ifndef STAGES
-#define STAGES 3     // shared-memory stages of codes (cp.async ring)
+#define STAGES 3  // shared-memory stages of codes (cp.async ring)
 #endif
-#define NT 64        // tokens per tile
-#define NTHREADS (32 * NWARPS)
 
-constexpr int CPW_C = 32 / CB;            // codes per 32-bit word
-constexpr int CPW_R = 32 / RB;
-constexpr int CROWB = DC * CB / 8;        // code bytes of one token
+#define NT 64  // tokens per tile
+constexpr int NW = DC / 64;              // warps: one per content group
+constexpr int NTHREADS = 32 * NW;
+constexpr int NJ = 8 / NW;               // score n8-tiles (8 tokens) per warp
+constexpr int NGC = DC / 64, NGR = DR / RG, NG = NGC + NGR;  // scale groups
+constexpr int CROWB = DC * CB / 8;       // code bytes of one token
 constexpr int RROWB = DR * RB / 8;
-constexpr int CRS = CROWB + 16;           // shared-memory row strides: +16 B keeps the reads conflict-free
+constexpr int CRS = CROWB + 16;          // shared-memory row strides (+16 B: conflict-free fragment reads)
 constexpr int RRS = RROWB + 16;
-constexpr int SLICE = DC / NWARPS;        // content channels of one warp
-constexpr int GPW = SLICE / 64;           // content groups of one warp
-constexpr int NGC = DC / 64;              // content groups
-constexpr int NGR = DR / RG;              // rope groups
-constexpr int WPG = 64 / CPW_C;           // words per content group (int4 8, int2 4)
-constexpr int NWC = WPG / 4;              // words per thread per group in the scores
-constexpr int SPW_C = CPW_C / 4;          // k16 steps per word
-constexpr int WR = DR / CPW_R;            // rope words per token
-constexpr int NWR = WR / 4;
-constexpr int SPW_R = CPW_R / 4;
-constexpr int KSC = GPW * NWC * SPW_C;    // content k16 steps of one warp (= SLICE / 16)
-constexpr int KSR = NWR * SPW_R;          // rope k16 steps (= DR / 16)
-constexpr int TPW = NT / 8 / NWARPS;      // score n8 tiles each warp owns in the softmax
-constexpr int RWG = NWARPS / KSR;         // warps sharing one rope k16 step (they split the token tiles)
-constexpr int PS = NT + 8;                // row stride (elements) of the score / P / scale buffers
-constexpr int SZS = NT + 4;               // row stride of the per-group scale buffers
+constexpr int KSC = DC / 16, KSR = DR / 16, KS = KSC + KSR;  // k16 steps of the scores
+constexpr int CGB = 64 * CB / 8;         // bytes of one content group of one token
+constexpr int RGB = RG * RB / 8;         // bytes of one rope group of one token
+constexpr int WTC = CGB / 16;            // words of a content group per thread (4 threads per token)
+constexpr int WTR = RGB / 16;
+constexpr int PS = NT + 8;               // row stride (elements) of P
+constexpr int SZS = NT + 4;              // row stride of the [group][token] scale tables
+constexpr int ZS = 24;                   // row stride (halves) of the [token][group] zero table
+constexpr int CCH = NT * CROWB / 16;     // 16-byte chunks of a tile's content codes
+constexpr int RCH = NT * RROWB / 16;
+constexpr int SZT = NTHREADS / NT;      // threads per token in the scale / zero staging
+constexpr int NSZ = (NG + SZT - 1) / SZT;  // groups per thread there
 constexpr uint32_t KMID = (0x4300u | (1u << (CB - 1))) * 0x00010001u;  // bf16x2 (128 + mid, 128 + mid)
 
-static_assert(GPW >= 1 && SLICE % 64 == 0, "content: DC/NWARPS must be a multiple of the 64-channel group");
-static_assert(TPW >= 1 && STAGES >= 2, "tile / warp layout");
-static_assert(NWARPS % KSR == 0 && (NT / 8) % RWG == 0, "rope: DR / 16 must divide the warp count");
-static_assert(NWR >= 1 && WR % 4 == 0, "rope: DR * RB must be a multiple of 128 bits");
-static_assert(RG % (4 * CPW_R) == 0 && DR % RG == 0, "rope group: a multiple of 4 words' channels");
-static_assert(KSC * 16 == SLICE && KSR * 16 == DR, "fragment map");
+static_assert(DC == 256 || DC == 512, "kv_lora_rank 256 or 512 (one warp per 64-channel group)");
+static_assert(CB == 2 || CB == 4, "content bits");
+static_assert(RB == 2 || RB == 4, "rope bits");
+static_assert(DR % RG == 0 && RG % 16 == 0 && RGB % 16 == 0, "rope group: whole words for 4 threads");
+static_assert(NG <= 16, "at most 16 scale groups (one k16 step of the zero term)");
+static_assert(CCH % NTHREADS == 0 && RCH <= NTHREADS, "cp.async chunks per thread");
+
+struct Ring {
+  uint8_t cc[STAGES][NT * CRS];     // content codes, token rows
+  uint8_t rc[STAGES][NT * RRS];     // rope codes
+};
 
 struct Smem {
-  uint8_t cc[STAGES][NT * CRS];           // content codes, token rows
-  uint8_t rc[STAGES][NT * RRS];           // rope codes
-  float cs_f[2][NGC * SZS];               // scores: content scale, fp32 [group][token]
-  float cz_f[2][NGC * SZS];               //         zero - 128 * scale
-  float rs_f[2][NGR * SZS];               //         rope scale
-  float rz_f[2][NGR * SZS];               //         rope zero - 128 * scale
-  __nv_bfloat16 cs_b[2][NGC * SZS];       // values: content scale (bf16)
-  __nv_bfloat16 czh[2][NGC * SZS];        //         centred zero z + mid * scale, hi part
-  __nv_bfloat16 czl[2][NGC * SZS];        //         and lo part
-  float red[NWARPS][16 * PS];             // per-warp partial scores
-  __nv_bfloat16 p[16 * PS];               // P of the tile, [head][token]
-  float mx[NWARPS][16];                   // per-warp tile max per head
-  float lsum[NWARPS][16];
+  union {
+    Ring ring;                      // the code tiles
+    float qst[16 * (DC + DR)];      // before the first copy: q * qk_scale [head][channel]
+  };
+  uint4 qf[KS * 32];                // q A fragments [k step][lane] (body: fp16 q'; protected: bf16 q)
+  float scf[2][NG * SZS];           // scores: scale * 2^(24+e), [group][token]
+  __half zh[2][NT * ZS];            // scores: zero (fp16), [token][group]; groups >= NG stay 0
+  __nv_bfloat16 scb[2][NGC * SZS];  // values: scale (bf16), [group][token]
+  __nv_bfloat16 zch[2][NGC * SZS];  // values: zero + mid * scale, hi part
+  __nv_bfloat16 zcl[2][NGC * SZS];  //         and lo part
+  __nv_bfloat16 p[16 * PS];         // P of the tile, [head][token]
+  float qsum[16][16];               // sum of the effective q' over each group [head][group]
+  float mx[16][NW];                 // per-warp tile max per head
+  float lsum[16][NW];
+  float wz[16][8];                  // W of warp 0 at the end [head][group]
+  float red[NW];
 };
 
 // sizeof(Smem), read by the launcher (the dynamic shared memory of a CTA).
@@ -122,15 +122,43 @@ __device__ __forceinline__ uint32_t codes2(uint32_t y, int sh) {
   return lop3_and_or(y >> sh, m, 0x43004300u);
 }
 
-__device__ __forceinline__ void mma(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// Register r of a thread's scores B operand from its words wd (codes of BITS bits): the word is
+// wd[r / (2 CPB)], the byte pair (0, 2) or, shifted by 8, (1, 3), code j = r % CPB of each byte as an fp16
+// subnormal: code * 2^(BITS j - 24).
+template <int BITS, int NWD>
+__device__ __forceinline__ uint32_t sub_codes(const uint32_t (&wd)[NWD], int r) {
+  constexpr int CPB = 8 / BITS;
+  const int u = r / (2 * CPB), s = (r / CPB) & 1, j = r % CPB;
+  const uint32_t y = s ? (wd[u] >> 8) : wd[u];
+  return y & ((((1u << BITS) - 1) << (BITS * j)) * 0x00010001u);
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void mma_bf16(float (&d)[4], uint4 a, uint32_t b0, uint32_t b1) {
+  const uint32_t aa[4] = {a.x, a.y, a.z, a.w};
+  mma_bf16(d, aa, b0, b1);
+}
+
+__device__ __forceinline__ void mma_f16(float (&d)[4], uint4 a, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a.x), "r"(a.y), "r"(a.z), "r"(a.w), "r"(b0), "r"(b1));
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ uint32_t pack_f16(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
@@ -150,37 +178,59 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-__device__ __forceinline__ float ld_half(const __half* p) { return __half2float(__ldg(p)); }
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ uint4 ld_u4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
+__device__ __forceinline__ uint32_t ld_u32(const void* p) { return __ldg(reinterpret_cast<const unsigned int*>(p)); }
 
-// Element e of a row of bf16 held in 32-bit words, as the low or high half selector of prmt.
-__device__ __forceinline__ uint32_t pair_bf16(uint32_t a_word, uint32_t b_word, int e) {
-  return __byte_perm(a_word, b_word, (e & 1) ? 0x7632 : 0x5410);
+__device__ __forceinline__ uint32_t word_of(const uint4& q, int i) {
+  return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
 }
 
-// ---- the fragment maps ---------------------------------------------------------------------------------
-// Scores, content: k16 step ks = (gi, mm, sl) of warp w; thread t's word is wi = WPG*gi + t + 4*mm of the
-// warp's slice (byte 4*wi of the slice); pair p of a word = (code p, code p + CPW/2); b01 = pair 2*sl
-// (k = 2t, 2t+1), b23 = pair 2*sl + 1 (k = 2t+8, 2t+9).
-__device__ __forceinline__ int qc_channel(int w, int ks, int t, int k_in_pair, int hi) {
-  const int gi = ks / (NWC * SPW_C), mm = (ks / SPW_C) % NWC, sl = ks % SPW_C;
-  const int wi = WPG * gi + t + 4 * mm;
-  const int p = 2 * sl + hi;
-  return w * SLICE + wi * CPW_C + p + k_in_pair * (CPW_C / 2);
+// One scale group of the scores: the lane's WT code words at rp, KPG k steps with the q fragments at
+// qf[32 kk] (this lane's), times the group's scales of the lane's tokens (2t, 2t+1) at scp, added to s.
+template <int BITS, int WT, int KPG>
+__device__ __forceinline__ void group_scores(float (&s)[4], const uint8_t* rp, const uint4* qf, const float* scp) {
+  uint32_t wd[WT];
+  if constexpr (WT == 2) {
+    const uint2 v = *reinterpret_cast<const uint2*>(rp);
+    wd[0] = v.x;
+    wd[1] = v.y;
+  } else {
+    wd[0] = *reinterpret_cast<const uint32_t*>(rp);
+  }
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+  for (int kk = 0; kk < KPG; ++kk) mma_f16(acc, qf[32 * kk], sub_codes<BITS>(wd, 2 * kk), sub_codes<BITS>(wd, 2 * kk + 1));
+  const float2 sc = *reinterpret_cast<const float2*>(scp);
+  s[0] += sc.x * acc[0];
+  s[1] += sc.y * acc[1];
+  s[2] += sc.x * acc[2];
+  s[3] += sc.y * acc[3];
 }
-// Scores, rope: step ks = (mm, sl); word t + 4*mm of the token's rope row.
-__device__ __forceinline__ int qr_channel(int ks, int t, int k_in_pair, int hi) {
-  const int mm = ks / SPW_R, sl = ks % SPW_R;
-  const int wi = t + 4 * mm;
-  return wi * CPW_R + 2 * sl + hi + k_in_pair * (CPW_R / 2);
-}
-// Values: tile j of warp group gi, column n (= lane's g) holds channel w*SLICE + 64*gi + 8*n + j.
 
-template <bool V>
-struct Tag { static constexpr bool value = V; };
-using Body = Tag<false>;  // quantized pool tiles, codes staged in shared memory
-using Prot = Tag<true>;   // protected bf16 rows, read from global memory
+// ---- the scores' k-slot map ------------------------------------------------------------------------------
+// Body k step ks, lane (g, t), fragment register r (a0..a3: rows g, g+8, g, g+8; k slots 2t, 2t+1 for r < 2,
+// 2t+8, 2t+9 for r >= 2): which channel of q (< DC: content, else DC + rope channel) each of the pair's two
+// slots holds, and its bit offset b in the byte (q is divided by 2^b). The thread's B registers of a group
+// are sub_codes(words, 0..7) in order; k step kk of the group takes registers 2 kk (slots 2t, 2t+1) and
+// 2 kk + 1 (slots 2t+8, 2t+9); the low / high fp16 of a register is byte s / 2 + s of its word.
+struct Slot {
+  int ch0, ch1, shift;
+};
+__device__ __forceinline__ Slot q_slot(int ks, int t, int hi) {
+  const bool rope = ks >= KSC;
+  const int bits = rope ? RB : CB, cpb = 8 / bits;
+  const int kpg = rope ? RG / 16 : 4;                  // k steps per group
+  const int kk = rope ? (ks - KSC) % kpg : ks % 4;     // k step within the group
+  const int grp = rope ? (ks - KSC) / kpg : ks / 4;
+  const int wt = rope ? WTR : WTC;                     // words per thread per group
+  const int r = 2 * kk + hi;                           // register of the group
+  const int u = r / (2 * cpb), s = (r / cpb) & 1, j = r % cpb;
+  const int wi = grp * 4 * wt + t * wt + u;            // word of the token's row
+  const int base = rope ? DC : 0;
+  return Slot{base + (4 * wi + s) * cpb + j, base + (4 * wi + 2 + s) * cpb + j, bits * j};
+}
 
 // ---- the kernel ----------------------------------------------------------------------------------------
 
@@ -218,378 +268,341 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     te = (min(L, window) + NT - 1) / NT;
   }
 
-  // q as A fragments (bf16), with the fragment maps above; sums of q over each group (fp32).
-  // The rope is split by k16 step and token tile: warp w computes step RK = w % KSR of the rope scores for
-  // the token n8-tiles j with j % RWG == w / KSR.
-  const int RK = w % KSR, mm_r = RK / SPW_R, sl_r = RK % SPW_R, wi_r = t + 4 * mm_r;
-  const int rg_r = (4 * mm_r * CPW_R) / RG;
-  uint32_t qa_c[KSC][4], qa_r[4];
-  float qsum_c[GPW][2], qsum_r[2] = {0.f, 0.f};
-#pragma unroll
-  for (int i = 0; i < GPW; ++i) qsum_c[i][0] = qsum_c[i][1] = 0.f;
-  {
-    auto ldq = [&](const void* base, int dim, int h, int ch) -> float {
-      if (h0 + h >= H) return 0.f;
-      const long long off = ((long long)b * H + h0 + h) * dim + ch;
-      float v = q_f32 ? reinterpret_cast<const float*>(base)[off]
-                      : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[off]);
-      return __bfloat162float(__float2bfloat16_rn(v));  // the value the tensor cores see
-    };
-#pragma unroll
-    for (int ks = 0; ks < KSC; ++ks) {
-      const int gi = ks / (NWC * SPW_C);
-#pragma unroll
-      for (int r = 0; r < 4; ++r) {  // a0 (row g, k 2t..), a1 (row g+8), a2 (row g, k 2t+8..), a3 (row g+8)
-        const int h = g + 8 * (r & 1), hi = r >> 1;
-        const float x0 = ldq(qn_ptr, DC, h, qc_channel(w, ks, t, 0, hi));
-        const float x1 = ldq(qn_ptr, DC, h, qc_channel(w, ks, t, 1, hi));
-        qa_c[ks][r] = pack_bf16(x0, x1);
-        qsum_c[gi][r & 1] += x0 + x1;
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int h = g + 8 * (r & 1), hi = r >> 1;
-      const float x0 = ldq(qp_ptr, DR, h, qr_channel(RK, t, 0, hi));
-      const float x1 = ldq(qp_ptr, DR, h, qr_channel(RK, t, 1, hi));
-      qa_r[r] = pack_bf16(x0, x1);
-      qsum_r[r & 1] += x0 + x1;
-    }
-    // Each group's channels are spread over the 4 lanes of a row: sum them.
-#pragma unroll
-    for (int i = 0; i < GPW; ++i)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        qsum_c[i][r] += __shfl_xor_sync(0xffffffffu, qsum_c[i][r], 1);
-        qsum_c[i][r] += __shfl_xor_sync(0xffffffffu, qsum_c[i][r], 2);
-      }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {  // the partial sum over this warp's rope k-step
-      qsum_r[r] += __shfl_xor_sync(0xffffffffu, qsum_r[r], 1);
-      qsum_r[r] += __shfl_xor_sync(0xffffffffu, qsum_r[r], 2);
-    }
+  if (prot_split) {  // the protected rows go to L2 while q is staged (they are read with plain loads below)
+    const long long r0 = (long long)slots_ptr[b] * window;
+    const int n_p = min(L, window);
+    const char* pc = reinterpret_cast<const char*>(pc_ptr + r0 * DC);
+    const char* pr = reinterpret_cast<const char*>(pr_ptr + r0 * DR);
+    for (int off = tid * 128; off < n_p * DC * 2; off += NTHREADS * 128) prefetch_l2(pc + off);
+    for (int off = tid * 128; off < n_p * DR * 2; off += NTHREADS * 128) prefetch_l2(pr + off);
   }
 
-  float o[GPW * 8][4], corr[GPW][4], zacc[4];
+  // ---- q: staged once in shared memory (q * qk_scale, fp32), then fragments, qsum, the exponent e
+  float amax = 0.f;
+  for (int i = tid; i < 16 * (DC + DR); i += NTHREADS) {
+    const int h = i / (DC + DR), ch = i % (DC + DR);
+    float v = 0.f;
+    if (h0 + h < H) {
+      const void* base = ch < DC ? qn_ptr : qp_ptr;
+      const long long off = ((long long)b * H + h0 + h) * (ch < DC ? DC : DR) + (ch < DC ? ch : ch - DC);
+      v = q_f32 ? reinterpret_cast<const float*>(base)[off]
+                : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[off]);
+    }
+    v *= qk_scale;
+    sm.qst[i] = v;
+    amax = fmaxf(amax, fabsf(v));
+  }
+  float qs = 1.f, sfac = 1.f;  // q' = q * qk_scale * qs (fp16); S multiplier 2^e = sfac
+  if (!prot_split) {
 #pragma unroll
-  for (int i = 0; i < GPW * 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+    for (int o = 16; o; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    if (lane == 0) sm.red[w] = amax;
+    __syncthreads();
+    amax = sm.red[0];
 #pragma unroll
-  for (int i = 0; i < GPW; ++i) corr[i][0] = corr[i][1] = corr[i][2] = corr[i][3] = 0.f;
-  zacc[0] = zacc[1] = zacc[2] = zacc[3] = 0.f;
+    for (int i = 1; i < NW; ++i) amax = fmaxf(amax, sm.red[i]);
+    if (amax > 0.f && amax < INFINITY) {
+      int ex;
+      frexpf(amax, &ex);  // amax < 2^ex
+      qs = ldexpf(1.f, 14 - ex);
+      sfac = ldexpf(1.f, ex - 14);
+    }
+  }
+  __syncthreads();
+  auto q_eff = [&](int h, int ch, int shift) -> float {  // the value the tensor cores see, times 2^shift
+    const float v = sm.qst[h * (DC + DR) + ch] * qs;
+    if (prot_split) return __bfloat162float(__float2bfloat16_rn(v));
+    return __half2float(__float2half_rn(v * __int_as_float((127 - shift) << 23)));  // v * 2^-shift
+  };
+  for (int i = tid; i < KS * 32; i += NTHREADS) {
+    const int ks = i >> 5, ln = i & 31, gg = ln >> 2, tt = ln & 3;
+    uint32_t a[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int h = gg + 8 * (r & 1), hi = r >> 1;
+      if (prot_split) {  // plain order: channels 16 ks + 2t (+1), + 8
+        const int ch = 16 * ks + 2 * tt + 8 * hi;
+        a[r] = pack_bf16(q_eff(h, ch, 0), q_eff(h, ch + 1, 0));
+      } else {
+        const Slot sl = q_slot(ks, tt, hi);
+        a[r] = pack_f16(q_eff(h, sl.ch0, sl.shift), q_eff(h, sl.ch1, sl.shift));
+      }
+    }
+    sm.qf[i] = make_uint4(a[0], a[1], a[2], a[3]);
+  }
+  uint32_t qz_hi[4] = {0u, 0u, 0u, 0u}, qz_lo[4] = {0u, 0u, 0u, 0u};  // A fragments of qsum 2^-6 [head][group]
+  if (!prot_split) {
+    for (int i = tid; i < 16 * 16; i += NTHREADS) {
+      const int h = i >> 4, G = i & 15;
+      float s = 0.f;
+      if (G < NG) {
+        const bool rope = G >= NGC;
+        const int bits = rope ? RB : CB, gs = rope ? RG : 64, c0 = rope ? DC + (G - NGC) * RG : 64 * G;
+#pragma unroll 8
+        for (int c = 0; c < gs; ++c) {
+          const int shift = bits * (c % (8 / bits));
+          s += q_eff(h, c0 + c, shift) * (float)(1 << shift);
+        }
+      }
+      sm.qsum[h][G] = s * 0.015625f;  // 2^-6 keeps it inside fp16's range
+    }
+    for (int i = tid; i < 2 * NT * ZS; i += NTHREADS) (&sm.zh[0][0])[i] = __float2half_rn(0.f);
+    __syncthreads();
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {  // a0 (row g, groups 2t, 2t+1), a1 (row g+8), a2 (row g, 2t+8..), a3
+      const int h = g + 8 * (r & 1), G = 2 * t + 8 * (r >> 1);
+      const float v0 = sm.qsum[h][G], v1 = sm.qsum[h][G + 1];
+      const float h0f = __half2float(__float2half_rn(v0)), h1f = __half2float(__float2half_rn(v1));
+      qz_hi[r] = pack_f16(h0f, h1f);
+      qz_lo[r] = pack_f16(v0 - h0f, v1 - h1f);
+    }
+  }
+  __syncthreads();
+
+  float o[8][4], corr[4], wacc[4];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.f;
+  corr[0] = corr[1] = corr[2] = corr[3] = 0.f;
+  wacc[0] = wacc[1] = wacc[2] = wacc[3] = 0.f;
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
 
   const int* bt_row = bt_ptr + (long long)b * bt_stride;
+  const int tpp = page / NT;  // tiles per page
   auto tile_row0 = [&](int tt) -> long long {  // pool row of the tile's first position
-    const int pos0 = (tt + t_lo) * NT;
-    return (long long)bt_row[pos0 / page] * page + pos0 % page;
+    const int tile = tt + t_lo;
+    if (tpp == 1) return (long long)bt_row[tile] * page;
+    return (long long)bt_row[tile / tpp] * page + (tile % tpp) * NT;
   };
 
-  // One tile: scores, online softmax, values. vlo/vhi: valid tile-relative tokens.
-  auto process = [&](auto prot_tag, const uint8_t* scc, const uint8_t* src, int szb,
-                     const __nv_bfloat16* gpc, const __nv_bfloat16* gpr, int vlo, int vhi) {
-    constexpr bool P = decltype(prot_tag)::value;
-    // ---- scores: partial over this warp's channels
-    float s[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      s[j][0] = s[j][1] = s[j][2] = s[j][3] = 0.f;
-      const int tok = 8 * j + g;  // this lane's B column
-      const bool tv = tok >= vlo && tok < vhi;
-#pragma unroll
-      for (int gi = 0; gi < GPW; ++gi) {
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int mm = 0; mm < NWC; ++mm) {
-          const int wi = WPG * gi + t + 4 * mm;
-          if constexpr (!P) {
-            const uint32_t y = *reinterpret_cast<const uint32_t*>(scc + tok * CRS + w * (SLICE * CB / 8) + 4 * wi);
-#pragma unroll
-            for (int sl = 0; sl < SPW_C; ++sl) {
-              const int ks = (gi * NWC + mm) * SPW_C + sl;
-              mma(acc, qa_c[ks], codes2<CB>(y, CB * 2 * sl), codes2<CB>(y, CB * (2 * sl + 1)));
-            }
-          } else {
-            uint32_t v[CPW_C / 2];  // CPW bf16 channels of the virtual word
-#pragma unroll
-            for (int q = 0; q < CPW_C / 8; ++q) {
-              uint4 u = tv ? ld_u4(gpc + (long long)tok * DC + w * SLICE + wi * CPW_C + 8 * q) : make_uint4(0, 0, 0, 0);
-              v[4 * q] = u.x; v[4 * q + 1] = u.y; v[4 * q + 2] = u.z; v[4 * q + 3] = u.w;
-            }
-#pragma unroll
-            for (int sl = 0; sl < SPW_C; ++sl) {
-              const int ks = (gi * NWC + mm) * SPW_C + sl;
-              const int p0 = 2 * sl, p1 = 2 * sl + 1, hf = CPW_C / 2;
-              mma(acc, qa_c[ks], __byte_perm(v[p0 / 2], v[(p0 + hf) / 2], (p0 & 1) ? 0x7632 : 0x5410),
-                  __byte_perm(v[p1 / 2], v[(p1 + hf) / 2], (p1 & 1) ? 0x7632 : 0x5410));
-            }
-          }
-        }
-        if constexpr (!P) {
-          const int G = w * GPW + gi;
-          const float2 sc = *reinterpret_cast<const float2*>(&sm.cs_f[szb][G * SZS + 8 * j + 2 * t]);
-          const float2 zc = *reinterpret_cast<const float2*>(&sm.cz_f[szb][G * SZS + 8 * j + 2 * t]);
-          s[j][0] += sc.x * acc[0] + zc.x * qsum_c[gi][0];
-          s[j][1] += sc.y * acc[1] + zc.y * qsum_c[gi][0];
-          s[j][2] += sc.x * acc[2] + zc.x * qsum_c[gi][1];
-          s[j][3] += sc.y * acc[3] + zc.y * qsum_c[gi][1];
-        } else {
-          s[j][0] += acc[0]; s[j][1] += acc[1]; s[j][2] += acc[2]; s[j][3] += acc[3];
-        }
-      }
-      if (j % RWG == w / KSR) {  // the rope: this warp's k16 step RK for its share of the token tiles
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-        if constexpr (!P) {
-          const uint32_t y = *reinterpret_cast<const uint32_t*>(src + tok * RRS + 4 * wi_r);
-          mma(acc, qa_r, codes2<RB>(y, RB * 2 * sl_r), codes2<RB>(y, RB * (2 * sl_r + 1)));
-          const float2 sc = *reinterpret_cast<const float2*>(&sm.rs_f[szb][rg_r * SZS + 8 * j + 2 * t]);
-          const float2 zc = *reinterpret_cast<const float2*>(&sm.rz_f[szb][rg_r * SZS + 8 * j + 2 * t]);
-          s[j][0] += sc.x * acc[0] + zc.x * qsum_r[0];
-          s[j][1] += sc.y * acc[1] + zc.y * qsum_r[0];
-          s[j][2] += sc.x * acc[2] + zc.x * qsum_r[1];
-          s[j][3] += sc.y * acc[3] + zc.y * qsum_r[1];
-        } else {  // the same k slots from the bf16 row: channels wi_r * CPW + 2 sl + hi + kp * CPW / 2
-          uint32_t b[2];
-#pragma unroll
-          for (int hi = 0; hi < 2; ++hi) {
-            const int ch = wi_r * CPW_R + 2 * sl_r + hi;
-            const unsigned short* rp = reinterpret_cast<const unsigned short*>(gpr + (long long)tok * DR);
-            b[hi] = tv ? (uint32_t)__ldg(rp + ch) | ((uint32_t)__ldg(rp + ch + CPW_R / 2) << 16) : 0u;
-          }
-          mma(acc, qa_r, b[0], b[1]);
-          s[j][0] += acc[0]; s[j][1] += acc[1]; s[j][2] += acc[2]; s[j][3] += acc[3];
-        }
-      }
-      *reinterpret_cast<float2*>(&sm.red[w][g * PS + 8 * j + 2 * t]) = make_float2(s[j][0], s[j][1]);
-      *reinterpret_cast<float2*>(&sm.red[w][(g + 8) * PS + 8 * j + 2 * t]) = make_float2(s[j][2], s[j][3]);
-    }
-    __syncthreads();
-
-    // ---- softmax: warp w owns score tiles [TPW w, TPW (w + 1)) (8 TPW tokens)
-    float x[TPW][4];
+  // Softmax of this warp's scores x (NJ n8 tiles; rows g, g+8; columns 2t, 2t+1), P to shared memory. P is
+  // taken against the running max m_i, the same in every warp, and may reach 2^MARGIN (bf16 and the fp32
+  // sums hold that easily): only a tile whose scores pass m_i + MARGIN somewhere (the first tile always)
+  // exchanges its max through shared memory and rescales the accumulators. A common tile costs one vote.
+  auto softmax = [&](float (&x)[NJ][4]) {
+    constexpr float MARGIN = 16.f;
     float mloc[2] = {-INFINITY, -INFINITY};
 #pragma unroll
-    for (int jj = 0; jj < TPW; ++jj) {
-      const int col = 8 * (TPW * w + jj) + 2 * t;
+    for (int j = 0; j < NJ; ++j) {
+      mloc[0] = fmaxf(mloc[0], fmaxf(x[j][0], x[j][1]));
+      mloc[1] = fmaxf(mloc[1], fmaxf(x[j][2], x[j][3]));
+    }
+    if (__syncthreads_or(mloc[0] > m_i[0] + MARGIN || mloc[1] > m_i[1] + MARGIN)) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        float2 acc = make_float2(0.f, 0.f);
-#pragma unroll
-        for (int ww = 0; ww < NWARPS; ++ww) {
-          const float2 v = *reinterpret_cast<const float2*>(&sm.red[ww][(g + 8 * r) * PS + col]);
-          acc.x += v.x;
-          acc.y += v.y;
-        }
-        x[jj][2 * r] = (col >= vlo && col < vhi) ? acc.x * qk_scale : -INFINITY;
-        x[jj][2 * r + 1] = (col + 1 >= vlo && col + 1 < vhi) ? acc.y * qk_scale : -INFINITY;
-        mloc[r] = fmaxf(mloc[r], fmaxf(x[jj][2 * r], x[jj][2 * r + 1]));
+        mloc[r] = fmaxf(mloc[r], __shfl_xor_sync(0xffffffffu, mloc[r], 1));
+        mloc[r] = fmaxf(mloc[r], __shfl_xor_sync(0xffffffffu, mloc[r], 2));
       }
-    }
+      if (t == 0) {
+        sm.mx[g][w] = mloc[0];
+        sm.mx[g + 8][w] = mloc[1];
+      }
+      __syncthreads();
+      float alpha[2];
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mloc[r] = fmaxf(mloc[r], __shfl_xor_sync(0xffffffffu, mloc[r], 1));
-      mloc[r] = fmaxf(mloc[r], __shfl_xor_sync(0xffffffffu, mloc[r], 2));
+      for (int r = 0; r < 2; ++r) {
+        const int h = g + 8 * r;
+        float mt = sm.mx[h][0];
+#pragma unroll
+        for (int ww = 1; ww < NW; ++ww) mt = fmaxf(mt, sm.mx[h][ww]);
+        const float m_new = fmaxf(m_i[r], mt);  // finite: every tile holds a valid token
+        alpha[r] = exp2f(m_i[r] - m_new);
+        m_i[r] = m_new;
+        l_i[r] *= alpha[r];
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        o[i][0] *= alpha[0]; o[i][1] *= alpha[0]; o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
+      }
+      corr[0] *= alpha[0]; corr[1] *= alpha[0]; corr[2] *= alpha[1]; corr[3] *= alpha[1];
+      wacc[0] *= alpha[0]; wacc[1] *= alpha[0]; wacc[2] *= alpha[1]; wacc[3] *= alpha[1];
     }
-    if (t == 0) {
-      sm.mx[w][g] = mloc[0];
-      sm.mx[w][g + 8] = mloc[1];
-    }
-    __syncthreads();
-    float alpha[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int h = g + 8 * r;
-      float mt = sm.mx[0][h];
-#pragma unroll
-      for (int ww = 1; ww < NWARPS; ++ww) mt = fmaxf(mt, sm.mx[ww][h]);
-      const float m_new = fmaxf(m_i[r], mt);  // finite: every tile holds a valid token
-      alpha[r] = exp2f(m_i[r] - m_new);
-      m_i[r] = m_new;
       float ls = 0.f;
 #pragma unroll
-      for (int jj = 0; jj < TPW; ++jj) {
-        const float p0 = exp2f(x[jj][2 * r] - m_new), p1 = exp2f(x[jj][2 * r + 1] - m_new);
+      for (int j = 0; j < NJ; ++j) {
+        const float p0 = exp2f(x[j][2 * r] - m_i[r]), p1 = exp2f(x[j][2 * r + 1] - m_i[r]);
         ls += p0 + p1;
-        *reinterpret_cast<uint32_t*>(&sm.p[h * PS + 8 * (TPW * w + jj) + 2 * t]) = pack_bf16(p0, p1);
+        *reinterpret_cast<uint32_t*>(&sm.p[h * PS + 8 * (NJ * w + j) + 2 * t]) = pack_bf16(p0, p1);
       }
-      l_i[r] = l_i[r] * alpha[r] + ls;
+      l_i[r] += ls;
     }
     __syncthreads();
+  };
 
-    // ---- values: this warp's channels, all 64 tokens
-    if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
-#pragma unroll
-      for (int i = 0; i < GPW * 8; ++i) {
-        o[i][0] *= alpha[0]; o[i][1] *= alpha[0]; o[i][2] *= alpha[1]; o[i][3] *= alpha[1];
-      }
-#pragma unroll
-      for (int i = 0; i < GPW; ++i) {
-        corr[i][0] *= alpha[0]; corr[i][1] *= alpha[0]; corr[i][2] *= alpha[1]; corr[i][3] *= alpha[1];
-      }
-      zacc[0] *= alpha[0]; zacc[1] *= alpha[0]; zacc[2] *= alpha[1]; zacc[3] *= alpha[1];
-    }
-#pragma unroll
-    for (int ks = 0; ks < NT / 16; ++ks) {
-      const int k0 = 16 * ks + 2 * t;  // this lane's tokens: k0, k0+1 (b01 / a01), k0+8, k0+9 (b23 / a23)
-      uint32_t pa[4];
-      pa[0] = *reinterpret_cast<const uint32_t*>(&sm.p[g * PS + k0]);
-      pa[1] = *reinterpret_cast<const uint32_t*>(&sm.p[(g + 8) * PS + k0]);
-      pa[2] = *reinterpret_cast<const uint32_t*>(&sm.p[g * PS + k0 + 8]);
-      pa[3] = *reinterpret_cast<const uint32_t*>(&sm.p[(g + 8) * PS + k0 + 8]);
-      if constexpr (!P) {
-        // zero term: B column g = (group g/2 of this warp, hi (even) / lo (odd) part)
-        uint32_t zb0 = 0, zb1 = 0;
-        if (g < 2 * GPW) {
-          const int G = w * GPW + (g >> 1);
-          const __nv_bfloat16* zp = (g & 1) ? sm.czl[szb] : sm.czh[szb];
-          zb0 = *reinterpret_cast<const uint32_t*>(&zp[G * SZS + k0]);
-          zb1 = *reinterpret_cast<const uint32_t*>(&zp[G * SZS + k0 + 8]);
-        }
-        mma(zacc, pa, zb0, zb1);
-      }
-#pragma unroll
-      for (int gi = 0; gi < GPW; ++gi) {
-        const int G = w * GPW + gi;
-        uint32_t a[4];
-        uint32_t cw[4];  // this lane's 8 channels of the group for tokens k0, k0+1, k0+8, k0+9
-        if constexpr (!P) {
-          const uint32_t s0 = *reinterpret_cast<const uint32_t*>(&sm.cs_b[szb][G * SZS + k0]);
-          const uint32_t s1 = *reinterpret_cast<const uint32_t*>(&sm.cs_b[szb][G * SZS + k0 + 8]);
-          a[0] = bmul2(pa[0], s0); a[1] = bmul2(pa[1], s0); a[2] = bmul2(pa[2], s1); a[3] = bmul2(pa[3], s1);
-          mma(corr[gi], a, KMID, KMID);  // (128 + mid) * sum_n P'
-          const int off = G * 8 * CB + g * CB;  // byte of this lane's channels in a token row
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tok = k0 + (e & 1) + 8 * (e >> 1);
-            if constexpr (CB == 4) cw[e] = *reinterpret_cast<const uint32_t*>(scc + tok * CRS + off);
-            else cw[e] = *reinterpret_cast<const uint16_t*>(scc + tok * CRS + off);
-          }
-          // (token k0 | token k0+1) and (k0+8 | k0+9) side by side: low half, high half of each word
-          const uint32_t z01a = __byte_perm(cw[0], cw[1], 0x5410), z23a = __byte_perm(cw[2], cw[3], 0x5410);
-          uint32_t z01b = 0, z23b = 0;
-          if constexpr (CB == 4) {
-            z01b = __byte_perm(cw[0], cw[1], 0x7632);
-            z23b = __byte_perm(cw[2], cw[3], 0x7632);
-          }
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            const int bit = CB * j;
-            const uint32_t b0 = codes2<CB>(bit < 16 ? z01a : z01b, bit & 15);
-            const uint32_t b1 = codes2<CB>(bit < 16 ? z23a : z23b, bit & 15);
-            mma(o[gi * 8 + j], a, b0, b1);
-          }
-        } else {
-          a[0] = pa[0]; a[1] = pa[1]; a[2] = pa[2]; a[3] = pa[3];
-          uint4 u[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            const int tok = k0 + (e & 1) + 8 * (e >> 1);
-            const bool ok = tok >= vlo && tok < vhi;
-            u[e] = ok ? ld_u4(gpc + (long long)tok * DC + w * SLICE + 64 * gi + 8 * g) : make_uint4(0, 0, 0, 0);
-          }
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            auto word = [&](const uint4& q, int i) { return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w; };
-            const uint32_t b0 = pair_bf16(word(u[0], j / 2), word(u[1], j / 2), j);
-            const uint32_t b1 = pair_bf16(word(u[2], j / 2), word(u[3], j / 2), j);
-            mma(o[gi * 8 + j], a, b0, b1);
-          }
-        }
-      }
-    }
+  // A fragment of P for tokens [16 ks, 16 ks + 16).
+  auto p_frag = [&](int ks, uint32_t (&pa)[4]) {
+    const int k0 = 16 * ks + 2 * t;
+    pa[0] = *reinterpret_cast<const uint32_t*>(&sm.p[g * PS + k0]);
+    pa[1] = *reinterpret_cast<const uint32_t*>(&sm.p[(g + 8) * PS + k0]);
+    pa[2] = *reinterpret_cast<const uint32_t*>(&sm.p[g * PS + k0 + 8]);
+    pa[3] = *reinterpret_cast<const uint32_t*>(&sm.p[(g + 8) * PS + k0 + 8]);
   };
 
   if (!prot_split) {
-    // ---- body tiles: codes by cp.async (3 stages), scales / zeros one tile ahead through registers
-    auto issue = [&](int tt) {
+    // ---- body tiles: codes by cp.async (STAGES deep), scales / zeros one tile ahead through registers
+    auto issue = [&](int tt, long long row0) {
       if (tt < te) {
-        const long long row0 = tile_row0(tt);
-        uint8_t* dc = sm.cc[tt % STAGES];
-        uint8_t* dr = sm.rc[tt % STAGES];
-        constexpr int CCH = CROWB / 16, RCH = RROWB / 16;
+        uint8_t* dc = sm.ring.cc[tt % STAGES];
+        uint8_t* dr = sm.ring.rc[tt % STAGES];
+        constexpr int CPR = CROWB / 16, RPR = RROWB / 16;  // chunks per row
+        const uint8_t* src = cc_ptr + (row0 + tid / CPR) * c_row + 16 * (tid % CPR);
+        uint8_t* dst = dc + (tid / CPR) * CRS + 16 * (tid % CPR);
 #pragma unroll
-        for (int i = tid; i < NT * CCH; i += NTHREADS) {
-          const int r = i / CCH, c = i % CCH;
-          cp_async16(dc + r * CRS + 16 * c, cc_ptr + (row0 + r) * c_row + 16 * c);
-        }
-#pragma unroll
-        for (int i = tid; i < NT * RCH; i += NTHREADS) {
-          const int r = i / RCH, c = i % RCH;
-          cp_async16(dr + r * RRS + 16 * c, rc_ptr + (row0 + r) * r_row + 16 * c);
-        }
+        for (int i = 0; i < CCH / NTHREADS; ++i)
+          cp_async16(dst + i * (NTHREADS / CPR) * CRS, src + i * (NTHREADS / CPR) * c_row);
+        if (tid < RCH)
+          cp_async16(dr + (tid / RPR) * RRS + 16 * (tid % RPR), rc_ptr + (row0 + tid / RPR) * r_row + 16 * (tid % RPR));
       }
       cp_commit();
     };
-    constexpr int NCE = (NT * NGC + NTHREADS - 1) / NTHREADS;  // (token, content group) per thread
-    constexpr int NRE = (NT * NGR + NTHREADS - 1) / NTHREADS;
-    float ls_c[NCE], lz_c[NCE], ls_r[NRE], lz_r[NRE];
-    auto load_sz = [&](int tt) {
+    // Scales and zeros: thread tid takes token tid % NT and the groups G = tid / NT + k * SZT (k < NSZ).
+    __half ls_[NSZ], lz_[NSZ];
+    const int sz_tok = tid % NT, sz_g0 = tid / NT;
+    auto load_sz = [&](int tt, long long row0) {
       if (tt >= te) return;
-      const long long row0 = tile_row0(tt);
+      const long long row = row0 + sz_tok;
+      const __half* cs = cs_ptr + row * c_sz_row;
+      const __half* cz = cz_ptr + row * c_sz_row;
+      const __half* rs = rs_ptr + row * r_sz_row - NGC;
+      const __half* rz = rz_ptr + row * r_sz_row - NGC;
 #pragma unroll
-      for (int i = 0; i < NCE; ++i) {
-        const int e = tid + i * NTHREADS;
-        if (e < NT * NGC) {
-          const long long off = (row0 + e / NGC) * c_sz_row + e % NGC;
-          ls_c[i] = ld_half(cs_ptr + off);
-          lz_c[i] = ld_half(cz_ptr + off);
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < NRE; ++i) {
-        const int e = tid + i * NTHREADS;
-        if (e < NT * NGR) {
-          const long long off = (row0 + e / NGR) * r_sz_row + e % NGR;
-          ls_r[i] = ld_half(rs_ptr + off);
-          lz_r[i] = ld_half(rz_ptr + off);
+      for (int k = 0; k < NSZ; ++k) {
+        const int G = sz_g0 + k * SZT;
+        if (G < NGC) {
+          ls_[k] = cs[G];
+          lz_[k] = cz[G];
+        } else if (G < NG) {
+          ls_[k] = rs[G];
+          lz_[k] = rz[G];
         }
       }
     };
+    const float ssc = sfac * 16777216.f;  // 2^(24+e)
     auto store_sz = [&](int tt) {  // invalid tokens get scale 0, zero 0 (their pool rows may hold NaN)
       if (tt >= te) return;
-      const int pos0 = (tt + t_lo) * NT;
+      const int pos = (tt + t_lo) * NT + sz_tok;
+      const bool ok = pos >= sink && pos < q_hi;
       const int buf = tt & 1;
       constexpr float mid = (float)(1 << (CB - 1));
 #pragma unroll
-      for (int i = 0; i < NCE; ++i) {
-        const int e = tid + i * NTHREADS;
-        if (e < NT * NGC) {
-          const int tok = e / NGC, G = e % NGC, pos = pos0 + tok;
-          const bool ok = pos >= sink && pos < q_hi;
-          const float sc = ok ? ls_c[i] : 0.f, z = ok ? lz_c[i] : 0.f;
-          sm.cs_f[buf][G * SZS + tok] = sc;
-          sm.cz_f[buf][G * SZS + tok] = z - 128.f * sc;
-          sm.cs_b[buf][G * SZS + tok] = __float2bfloat16_rn(sc);
-          const float zc = z + mid * sc;
-          const __nv_bfloat16 zh = __float2bfloat16_rn(zc);
-          sm.czh[buf][G * SZS + tok] = zh;
-          sm.czl[buf][G * SZS + tok] = __float2bfloat16_rn(zc - __bfloat162float(zh));
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < NRE; ++i) {
-        const int e = tid + i * NTHREADS;
-        if (e < NT * NGR) {
-          const int tok = e / NGR, G = e % NGR, pos = pos0 + tok;
-          const bool ok = pos >= sink && pos < q_hi;
-          const float sc = ok ? ls_r[i] : 0.f, z = ok ? lz_r[i] : 0.f;
-          sm.rs_f[buf][G * SZS + tok] = sc;
-          sm.rz_f[buf][G * SZS + tok] = z - 128.f * sc;
+      for (int k = 0; k < NSZ; ++k) {
+        const int G = sz_g0 + k * SZT;
+        if (G < NG) {
+          const float sc = ok ? __half2float(ls_[k]) : 0.f, z = ok ? __half2float(lz_[k]) : 0.f;
+          sm.scf[buf][G * SZS + sz_tok] = sc * ssc;
+          sm.zh[buf][sz_tok * ZS + G] = __float2half_rn(z);
+          if (G < NGC) {
+            sm.scb[buf][G * SZS + sz_tok] = __float2bfloat16_rn(sc);
+            const float zc = z + mid * sc;
+            const __nv_bfloat16 zhb = __float2bfloat16_rn(zc);
+            sm.zch[buf][G * SZS + sz_tok] = zhb;
+            sm.zcl[buf][G * SZS + sz_tok] = __float2bfloat16_rn(zc - __bfloat162float(zhb));
+          }
         }
       }
     };
+    const float zfac = sfac * 64.f;  // Z was computed with qsum 2^-6
 
+    // Pool rows of tiles tt+1 .. tt+STAGES-1, each read from the block table (global memory) a tile before
+    // it is needed: a read right before the copies would hold them up.
+    auto row_of = [&](int tt) -> long long { return tt < te ? tile_row0(tt) : 0; };
+    long long nxt[STAGES - 1];
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) issue(tb + i);
-    load_sz(tb);
+    for (int i = 0; i < STAGES - 1; ++i) {
+      nxt[i] = row_of(tb + 1 + i);
+      issue(tb + i, i == 0 ? row_of(tb) : nxt[i - 1]);
+    }
+    load_sz(tb, row_of(tb));
     store_sz(tb);
     for (int tt = tb; tt < te; ++tt) {
       cp_wait<STAGES - 2>();
       __syncthreads();  // tile tt's codes and scales are in; everyone is done with tile tt-1
-      issue(tt + STAGES - 1);
-      load_sz(tt + 1);
+      issue(tt + STAGES - 1, nxt[STAGES - 2]);
+      load_sz(tt + 1, nxt[0]);
+#pragma unroll
+      for (int i = 0; i < STAGES - 2; ++i) nxt[i] = nxt[i + 1];
+      nxt[STAGES - 2] = row_of(tt + STAGES);
       const int pos0 = (tt + t_lo) * NT;
       const int vlo = max(sink - pos0, 0), vhi = min(q_hi - pos0, NT);
-      process(Body{}, sm.cc[tt % STAGES], sm.rc[tt % STAGES], tt & 1, nullptr, nullptr, vlo, vhi);
+      const uint8_t* scc = sm.ring.cc[tt % STAGES];
+      const uint8_t* src = sm.ring.rc[tt % STAGES];
+      const int buf = tt & 1;
+
+      // ---- scores: this warp's NJ n8 tiles, all channels
+      float x[NJ][4];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int n0 = 8 * (NJ * w + j);  // first token of the n8 tile
+        const int tok = n0 + g;           // this lane's B column
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+        {
+          const uint32_t zb0 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t]);
+          const uint32_t zb1 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t + 8]);
+          mma_f16(s, make_uint4(qz_hi[0], qz_hi[1], qz_hi[2], qz_hi[3]), zb0, zb1);
+          mma_f16(s, make_uint4(qz_lo[0], qz_lo[1], qz_lo[2], qz_lo[3]), zb0, zb1);
+          s[0] *= zfac; s[1] *= zfac; s[2] *= zfac; s[3] *= zfac;
+        }
+#pragma unroll
+        for (int G = 0; G < NGC; ++G)
+          group_scores<CB, WTC, 4>(s, scc + tok * CRS + G * CGB + t * 4 * WTC, &sm.qf[4 * G * 32 + lane],
+                                   &sm.scf[buf][G * SZS + n0 + 2 * t]);
+#pragma unroll
+        for (int G = 0; G < NGR; ++G)
+          group_scores<RB, WTR, RG / 16>(s, src + tok * RRS + G * RGB + t * 4 * WTR,
+                                         &sm.qf[(KSC + G * (RG / 16)) * 32 + lane],
+                                         &sm.scf[buf][(NGC + G) * SZS + n0 + 2 * t]);
+        const int c0 = n0 + 2 * t;
+        const bool v0 = c0 >= vlo && c0 < vhi, v1 = c0 + 1 >= vlo && c0 + 1 < vhi;
+        x[j][0] = v0 ? s[0] : -INFINITY; x[j][1] = v1 ? s[1] : -INFINITY;
+        x[j][2] = v0 ? s[2] : -INFINITY; x[j][3] = v1 ? s[3] : -INFINITY;
+      }
+      softmax(x);
+
+      // ---- values: content group w, all 64 tokens
+#pragma unroll
+      for (int ks = 0; ks < NT / 16; ++ks) {
+        const int k0 = 16 * ks + 2 * t;  // this lane's tokens: k0, k0+1 (b0 / a01), k0+8, k0+9 (b1 / a23)
+        uint32_t pa[4];
+        p_frag(ks, pa);
+        if (w == 0) {  // W: B column g = group g (hi, then lo part)
+          uint32_t zb[4] = {0u, 0u, 0u, 0u};
+          if (g < NGC) {
+            zb[0] = *reinterpret_cast<const uint32_t*>(&sm.zch[buf][g * SZS + k0]);
+            zb[1] = *reinterpret_cast<const uint32_t*>(&sm.zch[buf][g * SZS + k0 + 8]);
+            zb[2] = *reinterpret_cast<const uint32_t*>(&sm.zcl[buf][g * SZS + k0]);
+            zb[3] = *reinterpret_cast<const uint32_t*>(&sm.zcl[buf][g * SZS + k0 + 8]);
+          }
+          mma_bf16(wacc, pa, zb[0], zb[1]);
+          mma_bf16(wacc, pa, zb[2], zb[3]);
+        }
+        const uint32_t s0 = *reinterpret_cast<const uint32_t*>(&sm.scb[buf][w * SZS + k0]);
+        const uint32_t s1 = *reinterpret_cast<const uint32_t*>(&sm.scb[buf][w * SZS + k0 + 8]);
+        uint32_t a[4];
+        a[0] = bmul2(pa[0], s0); a[1] = bmul2(pa[1], s0); a[2] = bmul2(pa[2], s1); a[3] = bmul2(pa[3], s1);
+        mma_bf16(corr, a, KMID, KMID);
+        uint32_t cw[4];  // this lane's word (8 / bits bytes of group w) of tokens k0, k0+1, k0+8, k0+9
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = k0 + (e & 1) + 8 * (e >> 1);
+          if constexpr (CB == 4) cw[e] = *reinterpret_cast<const uint32_t*>(scc + tok * CRS + w * CGB + 4 * g);
+          else cw[e] = *reinterpret_cast<const uint16_t*>(scc + tok * CRS + w * CGB + 2 * g);
+        }
+        const uint32_t y01a = __byte_perm(cw[0], cw[1], 0x5410), y23a = __byte_perm(cw[2], cw[3], 0x5410);
+        uint32_t y01b = 0, y23b = 0;
+        if constexpr (CB == 4) {
+          y01b = __byte_perm(cw[0], cw[1], 0x7632);
+          y23b = __byte_perm(cw[2], cw[3], 0x7632);
+        }
+#pragma unroll
+        for (int jn = 0; jn < 8; ++jn) {  // tile jn: bit CB * jn of the lane's bytes
+          const int bit = CB * jn;
+          const uint32_t b0 = codes2<CB>(bit < 16 ? y01a : y01b, bit & 15);
+          const uint32_t b1 = codes2<CB>(bit < 16 ? y23a : y23b, bit & 15);
+          mma_bf16(o[jn], a, b0, b1);
+        }
+      }
       store_sz(tt + 1);
     }
     cp_wait<0>();
@@ -598,9 +611,47 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     const int n_p = min(L, window);
     const long long row_base = (long long)slots_ptr[b] * window;
     for (int tt = tb; tt < te; ++tt) {
-      __syncthreads();  // the shared score / P buffers of the last tile are free
+      __syncthreads();  // the shared P of the last tile is free
       const long long r0 = row_base + (long long)tt * NT;
-      process(Prot{}, nullptr, nullptr, 0, pc_ptr + r0 * DC, pr_ptr + r0 * DR, 0, min(n_p - tt * NT, NT));
+      const int nv = min(n_p - tt * NT, NT);  // valid rows of the tile (>= 1)
+      const __nv_bfloat16* gpc = pc_ptr + r0 * DC;
+      const __nv_bfloat16* gpr = pr_ptr + r0 * DR;
+      float x[NJ][4];
+#pragma unroll
+      for (int j = 0; j < NJ; ++j) {
+        const int n0 = 8 * (NJ * w + j);
+        const int tok = min(n0 + g, nv - 1);
+        float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 12
+        for (int ks = 0; ks < KS; ++ks) {
+          const __nv_bfloat16* rp = ks < KSC ? gpc + (long long)tok * DC + 16 * ks : gpr + (long long)tok * DR + 16 * (ks - KSC);
+          mma_bf16(s, sm.qf[ks * 32 + lane], ld_u32(rp + 2 * t), ld_u32(rp + 2 * t + 8));
+        }
+        const int c0 = n0 + 2 * t;
+        const bool v0 = c0 < nv, v1 = c0 + 1 < nv;
+        x[j][0] = v0 ? s[0] : -INFINITY; x[j][1] = v1 ? s[1] : -INFINITY;
+        x[j][2] = v0 ? s[2] : -INFINITY; x[j][3] = v1 ? s[3] : -INFINITY;
+      }
+      softmax(x);
+#pragma unroll
+      for (int ks = 0; ks < NT / 16; ++ks) {
+        const int k0 = 16 * ks + 2 * t;
+        uint32_t pa[4];
+        p_frag(ks, pa);
+        uint4 u[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = min(k0 + (e & 1) + 8 * (e >> 1), nv - 1);
+          u[e] = ld_u4(gpc + (long long)tok * DC + 64 * w + 8 * g);
+        }
+#pragma unroll
+        for (int jn = 0; jn < 8; ++jn) {
+          const uint32_t sel = (jn & 1) ? 0x7632 : 0x5410;
+          const uint32_t b0 = __byte_perm(word_of(u[0], jn / 2), word_of(u[1], jn / 2), sel);
+          const uint32_t b1 = __byte_perm(word_of(u[2], jn / 2), word_of(u[3], jn / 2), sel);
+          mma_bf16(o[jn], pa, b0, b1);
+        }
+      }
     }
   }
 
@@ -612,8 +663,14 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   }
   __syncthreads();
   if (t == 0) {
-    sm.lsum[w][g] = l_i[0];
-    sm.lsum[w][g + 8] = l_i[1];
+    sm.lsum[g][w] = l_i[0];
+    sm.lsum[g + 8][w] = l_i[1];
+  }
+  if (w == 0) {  // W [head][group]: C fragment rows g, g+8, columns 2t, 2t+1
+    sm.wz[g][2 * t] = wacc[0];
+    sm.wz[g][2 * t + 1] = wacc[1];
+    sm.wz[g + 8][2 * t] = wacc[2];
+    sm.wz[g + 8][2 * t + 1] = wacc[3];
   }
   __syncthreads();
   const long long prow = ((long long)b * nst + split) * H;
@@ -622,28 +679,23 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     const int h = g + 8 * r;
     float l = 0.f;
 #pragma unroll
-    for (int ww = 0; ww < NWARPS; ++ww) l += sm.lsum[ww][h];
+    for (int ww = 0; ww < NW; ++ww) l += sm.lsum[h][ww];
     const bool ok = l > 0.f;
     const float inv = ok ? 1.f / l : 0.f;
     if (w == 0 && t == 0 && h0 + h < H)
       plse_ptr[prow + h0 + h] = ok ? (m_i[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
+    const float add = prot_split ? 0.f : sm.wz[h][w] - corr[2 * r];
+    if (h0 + h < H) {
+      float* dst = po_ptr + (prow + h0 + h) * DC + 64 * w + 16 * t;
+      float v[16];
 #pragma unroll
-    for (int gi = 0; gi < GPW; ++gi) {
-      // zero term of group gi for this row: lane (g, t = gi) holds its hi (c0 / c2) and lo (c1 / c3) parts
-      const float zsum = __shfl_sync(0xffffffffu, zacc[2 * r] + zacc[2 * r + 1], g * 4 + gi);
-      const float add = zsum - corr[gi][2 * r];
-      if (h0 + h < H) {
-        float* dst = po_ptr + (prow + h0 + h) * DC + w * SLICE + 64 * gi + 16 * t;
-        float v[16];
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          v[j] = (o[gi * 8 + j][2 * r] + add) * inv;          // column 2t: channel 16t + j
-          v[8 + j] = (o[gi * 8 + j][2 * r + 1] + add) * inv;  // column 2t+1: channel 16t + 8 + j
-        }
-#pragma unroll
-        for (int q = 0; q < 4; ++q)
-          reinterpret_cast<float4*>(dst)[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
+      for (int jn = 0; jn < 8; ++jn) {
+        v[jn] = (o[jn][2 * r] + add) * inv;          // column 2t: channel 16t + jn
+        v[8 + jn] = (o[jn][2 * r + 1] + add) * inv;  // column 2t+1: channel 16t + 8 + jn
       }
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        reinterpret_cast<float4*>(dst)[q] = make_float4(v[4 * q], v[4 * q + 1], v[4 * q + 2], v[4 * q + 3]);
     }
   }
 }
