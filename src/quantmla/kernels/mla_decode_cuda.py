@@ -254,7 +254,8 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
         qn = qn.float()
     if qp.dtype != qn.dtype:
         qp = qp.to(qn.dtype)
-    qn, qp = qn.contiguous(), qp.contiguous()
+    qn, qp = (q.contiguous() for q in (qn, qp))
+    qn, qp = (q.clone() if q.data_ptr() % 16 else q for q in (qn, qp))  # the kernel reads 16-byte rows
     bt = block_tables if block_tables.dtype == torch.int32 else block_tables.int()
     if bt.stride(-1) != 1:
         bt = bt.contiguous()

@@ -78,6 +78,7 @@ static_assert(CB == 2 || CB == 4, "content bits");
 static_assert(RB == 2 || RB == 4, "rope bits");
 static_assert(DR % RG == 0 && RG % 16 == 0 && RGB % 16 == 0, "rope group: whole words for 4 threads");
 static_assert(NG <= 16, "at most 16 scale groups (one k16 step of the zero term)");
+static_assert(DC % 8 == 0 && DR % 8 == 0 && (2 * NT * ZS * 2) % 16 == 0, "16-byte staging");
 static_assert(CCH % NTHREADS == 0 && RCH <= NTHREADS, "cp.async chunks per thread");
 
 struct Ring {
@@ -92,7 +93,7 @@ struct Smem {
   };
   uint4 qf[KS * 32];                // q A fragments [k step][lane] (body: fp16 q'; protected: bf16 q)
   float scf[2][NG * SZS];           // scores: scale * 2^(24+e), [group][token]
-  __half zh[2][NT * ZS];            // scores: zero (fp16), [token][group]; groups >= NG stay 0
+  alignas(16) __half zh[2][NT * ZS];  // scores: zero (fp16), [token][group]; groups >= NG stay 0
   __nv_bfloat16 scb[2][NGC * SZS];  // values: scale (bf16), [group][token]
   __nv_bfloat16 zch[2][NGC * SZS];  // values: zero + mid * scale, hi part
   __nv_bfloat16 zcl[2][NGC * SZS];  //         and lo part
@@ -278,19 +279,40 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   }
 
   // ---- q: staged once in shared memory (q * qk_scale, fp32), then fragments, qsum, the exponent e
+  // Warp w stages heads w * 16 / NW ..: 16-byte loads of its rows (the launcher passes 16-byte aligned rows).
   float amax = 0.f;
-  for (int i = tid; i < 16 * (DC + DR); i += NTHREADS) {
-    const int h = i / (DC + DR), ch = i % (DC + DR);
-    float v = 0.f;
-    if (h0 + h < H) {
-      const void* base = ch < DC ? qn_ptr : qp_ptr;
-      const long long off = ((long long)b * H + h0 + h) * (ch < DC ? DC : DR) + (ch < DC ? ch : ch - DC);
-      v = q_f32 ? reinterpret_cast<const float*>(base)[off]
-                : __bfloat162float(reinterpret_cast<const __nv_bfloat16*>(base)[off]);
+  auto stage_row = [&](const void* src, float* dst, int dim, bool live) {
+    if (q_f32) {
+      for (int c = 4 * lane; c < dim; c += 128) {
+        const float4 v = live ? __ldg(reinterpret_cast<const float4*>(src) + c / 4) : make_float4(0.f, 0.f, 0.f, 0.f);
+        const float4 x = make_float4(v.x * qk_scale, v.y * qk_scale, v.z * qk_scale, v.w * qk_scale);
+        *reinterpret_cast<float4*>(dst + c) = x;
+        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
+      }
+    } else {
+      for (int c = 8 * lane; c < dim; c += 256) {
+        const uint4 v = live ? ld_u4(reinterpret_cast<const __nv_bfloat16*>(src) + c) : make_uint4(0u, 0u, 0u, 0u);
+        float x[8];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&reinterpret_cast<const uint32_t*>(&v)[e]));
+          x[2 * e] = f.x * qk_scale;
+          x[2 * e + 1] = f.y * qk_scale;
+          amax = fmaxf(amax, fmaxf(fabsf(x[2 * e]), fabsf(x[2 * e + 1])));
+        }
+        reinterpret_cast<float4*>(dst + c)[0] = make_float4(x[0], x[1], x[2], x[3]);
+        reinterpret_cast<float4*>(dst + c)[1] = make_float4(x[4], x[5], x[6], x[7]);
+      }
     }
-    v *= qk_scale;
-    sm.qst[i] = v;
-    amax = fmaxf(amax, fabsf(v));
+  };
+#pragma unroll
+  for (int hh = 0; hh < 16 / NW; ++hh) {
+    const int h = w * (16 / NW) + hh;
+    const bool live = h0 + h < H;
+    const long long row = (long long)b * H + min(h0 + h, H - 1);
+    const int esz = q_f32 ? 4 : 2;
+    stage_row(reinterpret_cast<const char*>(qn_ptr) + row * DC * esz, &sm.qst[h * (DC + DR)], DC, live);
+    stage_row(reinterpret_cast<const char*>(qp_ptr) + row * DR * esz, &sm.qst[h * (DC + DR) + DC], DR, live);
   }
   float qs = 1.f, sfac = 1.f;  // q' = q * qk_scale * qs (fp16); S multiplier 2^e = sfac
   if (!prot_split) {
@@ -346,7 +368,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       }
       sm.qsum[h][G] = s * 0.015625f;  // 2^-6 keeps it inside fp16's range
     }
-    for (int i = tid; i < 2 * NT * ZS; i += NTHREADS) (&sm.zh[0][0])[i] = __float2half_rn(0.f);
+    for (int i = tid; i < (int)(sizeof(sm.zh) / 16); i += NTHREADS) reinterpret_cast<uint4*>(&sm.zh[0][0])[i] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();
 #pragma unroll
     for (int r = 0; r < 4; ++r) {  // a0 (row g, groups 2t, 2t+1), a1 (row g+8), a2 (row g, 2t+8..), a3
