@@ -16,14 +16,15 @@
 //           ordered, so each thread's k slots are the codes of its own words (`q_slot` below).
 //           Z = sum_g zero[t, g] qsum_g 2^-6, one mma pair per n8 tile (zero fp16 exact; qsum 2^-6 as fp16
 //           hi + lo; qsum = the sum of the effective q over the group).
-//   softmax the tile max per head goes through shared memory; P (bf16) too.
+//   softmax P = 2^(S - m) against the running max m, the same in every warp; only a tile whose scores pass m + 16
+//           somewhere exchanges its max through shared memory (a barrier vote decides); P (bf16) to shared memory.
 //   values  warp w: O[16, 64 channels of group w] += P'_w . (128 + code) in bf16 with P'_w = P * scale[t, w]
 //           (codes by lop3 into the mantissa of bf16 128.0, exact; prmt pairs two tokens), corr += P'_w .
 //           (128 + mid) (an mma with a constant B: the same rounded P', so the offset cancels exactly), and
 //           warp 0 accumulates W[h, g] = P . (zero + mid * scale)[t, g] (hi + lo bf16, all groups at once).
 //           At the end O = o - corr + W[., w]. Column n of value tile jn is channel 64 w + 8 n + jn.
-// Protected BF16 rows (sink + recent window) are one extra split per sequence (split index nsb), read from
-// global memory (clamped to a valid row: P = 0 drops the rest) with q in bf16 in plain channel order.
+// Protected BF16 rows (sink + recent window) are one extra split per sequence (split index nsb), prefetched to
+// L2 and read from global memory (clamped to a valid row: P = 0 drops the rest) with q in bf16, plain order.
 // Codes of body tiles are staged in shared memory by cp.async (STAGES deep); the scales and zeros of the next
 // tile are loaded into registers one tile ahead and converted when stored to shared memory.
 
