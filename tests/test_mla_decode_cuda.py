@@ -237,6 +237,23 @@ def test_dispatch_and_refusals(monkeypatch):
 
 
 @needs_gpu
+def test_shared_memory_fallback(monkeypatch):
+    """A device whose blocks cannot hold the 3-stage ring gets 2 stages (right against the reference); one that
+    cannot hold either is refused with the reason, and "auto" goes to Triton instead of failing."""
+    real = mdc._load
+    monkeypatch.setattr(mdc, "_load", lambda idx, d: "needs more shared memory" if d["STAGES"] == 3 else real(idx, d))
+    _run(("int4", "int4"), 16, lens=[0, 7, 133, 700, 4097])
+    cache, *_ = fill(("int4", "int4"), 512, 64, [100], page=64, recent=128)
+    dev = torch.device("cuda")
+    monkeypatch.setattr(mdc, "_load", lambda idx, d: "needs 101376 bytes of shared memory per block, the device allows 101")
+    assert "shared memory" in mdc.unsupported_reason(cache, 16, dev)
+    monkeypatch.delenv(mdc.ENV, raising=False)
+    assert mdc.decode_kernel_name(cache, 16, dev, 1 << 20) == "triton"
+    with pytest.raises(ValueError, match="shared memory"):
+        mdc.prepare(cache, dev)
+
+
+@needs_gpu
 def test_cuda_kernel_graph_capture_and_replay():
     lens = [200, 300, 1000]  # replayed lengths stay within what was written (unwritten rows are NaN)
     cache, table, seq_lens, slots, _, _ = fill(("int2", "int4"), 512, 64, lens, page=64, recent=128)

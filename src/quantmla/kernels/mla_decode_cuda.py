@@ -43,7 +43,6 @@ import torch
 
 SRC = Path(__file__).with_name("mla_decode_int.cu")
 NT = 64  # tokens per tile (a page must hold whole tiles)
-STAGES = 3  # cp.async ring depth of the code tiles
 ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | gluon | auto
 # "auto" picks the CUDA kernel up to this many heads (it reads the cache once per 16 heads) and from this
 # max_seq_len on (benchmarks/results/decode_kernel_cuda_v2.md, H200, 16 heads: faster than Triton's INT4
@@ -91,7 +90,8 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
             return why
     if _nvcc() is None:
         return "nvcc not found"
-    return None
+    got = _kernel(device, cache)  # built and loaded once per device and formats
+    return got if isinstance(got, str) else None
 
 
 def decode_kernel_name(cache, num_heads: int, device, max_seq_len: int | None = None) -> str:
@@ -163,26 +163,12 @@ def build_cubin(defines: dict[str, int], arch: str) -> bytes:
 
 _lib = None
 _lock = threading.Lock()
-_kernels: dict[tuple, tuple[int, int]] = {}  # (device index, defines) -> (CUfunction, dynamic shared bytes)
+_kernels: dict[tuple, tuple[int, int] | str] = {}  # (device, defines) -> (CUfunction, shared bytes) or why not
 
 
-def _cu():
-    global _lib
-    if _lib is None:
-        _lib = ctypes.CDLL("libcuda.so.1")
-        _lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    return _lib
-
-
-def _check(res: int, what: str) -> None:
-    if res:
-        msg = ctypes.c_char_p()
-        _cu().cuGetErrorString(res, ctypes.byref(msg))
-        raise RuntimeError(f"{what}: CUDA error {res} ({msg.value.decode() if msg.value else '?'})")
-
-
-def _kernel(device: torch.device, defines: dict[str, int]) -> tuple[int, int]:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
+def _load(idx: int, defines: dict[str, int]) -> tuple[int, int] | str:
+    """Build and load the kernel with these defines on device idx: (CUfunction, dynamic shared bytes), or why
+    it does not fit the device (its shared memory). Results are kept, failures too."""
     key = (idx, tuple(sorted(defines.items())))
     with _lock:
         if key in _kernels:
@@ -205,19 +191,42 @@ def _kernel(device: torch.device, defines: dict[str, int]) -> tuple[int, int]:
             _check(cu.cuModuleGetGlobal_v2(ctypes.byref(gptr), ctypes.byref(gsize), mod, b"kSmemBytes"), "cuModuleGetGlobal")
             smem = ctypes.c_int()
             _check(cu.cuMemcpyDtoH_v2(ctypes.byref(smem), gptr, ctypes.c_size_t(4)), "cuMemcpyDtoH")
+            cudev, lim = ctypes.c_int(), ctypes.c_int()
+            _check(cu.cuCtxGetDevice(ctypes.byref(cudev)), "cuCtxGetDevice")
+            _check(cu.cuDeviceGetAttribute(ctypes.byref(lim), 97, cudev), "cuDeviceGetAttribute")  # opt-in max
+            limit = lim.value
+            if smem.value > limit:
+                _check(cu.cuModuleUnload(mod), "cuModuleUnload")
+                _kernels[key] = f"needs {smem.value} bytes of shared memory per block, the device allows {limit}"
+                return _kernels[key]
             _check(cu.cuFuncSetAttribute(fn, 8, smem.value), "cuFuncSetAttribute(max dynamic shared memory)")
         _kernels[key] = (fn.value, smem.value)
         return _kernels[key]
 
 
+def _kernel(device: torch.device, cache) -> tuple[int, int] | str:
+    """The kernel for this cache on this device: the deepest cp.async ring (3, else 2 stages) whose shared
+    memory fits a block; or why none does."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    why = ""
+    for stages in (3, 2):
+        got = _load(idx, {**_defines(cache), "STAGES": stages})
+        if not isinstance(got, str):
+            return got
+        why = got
+    return why
+
+
 def _defines(cache) -> dict[str, int]:
     return {"CB": _int_bits(cache.content.fmt), "RB": _int_bits(cache.rope.fmt), "DC": cache.kv_lora_rank,
-            "DR": cache.rope_dim, "RG": cache.rope.fmt.group, "STAGES": STAGES}  # fmt: skip
+            "DR": cache.rope_dim, "RG": cache.rope.fmt.group}  # fmt: skip
 
 
 def prepare(cache, device) -> None:
     """Build and load the kernel for this cache's formats (do it before capturing a CUDA graph)."""
-    _kernel(torch.device(device), _defines(cache))
+    got = _kernel(torch.device(device), cache)
+    if isinstance(got, str):
+        raise ValueError(f"the CUDA decode kernel cannot run this: {got}")
 
 
 def body_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, protected: bool = True,
@@ -247,8 +256,7 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
         raise ValueError(f"the CUDA decode kernel cannot run this: {reason}")
     B, H, dc = q_nope_absorbed.shape
     dev = q_nope_absorbed.device
-    defs = _defines(cache)
-    fn, smem = _kernel(dev, defs)
+    fn, smem = _kernel(dev, cache)
     qn, qp = q_nope_absorbed, q_pe
     if qn.dtype not in (torch.bfloat16, torch.float32):
         qn = qn.float()
