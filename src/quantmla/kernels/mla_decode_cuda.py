@@ -56,7 +56,8 @@ def _int_bits(fmt) -> int | None:
 
 
 def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | None:
-    """None when `mla_decode_cuda` can run this cache on this device, else why not (one sentence)."""
+    """None when `mla_decode_cuda` can run this cache on this device, else why not (one sentence). The last
+    check builds and loads the kernel (once per device and formats): whether its shared memory fits a block."""
     if cache.content.block > 1 or cache.rope.block > 1:
         return (f"token-axis formats are not supported (got {cache.content.fmt}/{cache.rope.fmt}: scales per "
                 "block of tokens and a longer BF16 ring)")
@@ -164,6 +165,21 @@ def build_cubin(defines: dict[str, int], arch: str) -> bytes:
 _lib = None
 _lock = threading.Lock()
 _kernels: dict[tuple, tuple[int, int] | str] = {}  # (device, defines) -> (CUfunction, shared bytes) or why not
+
+
+def _cu():
+    global _lib
+    if _lib is None:
+        _lib = ctypes.CDLL("libcuda.so.1")
+        _lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return _lib
+
+
+def _check(res: int, what: str) -> None:
+    if res:
+        msg = ctypes.c_char_p()
+        _cu().cuGetErrorString(res, ctypes.byref(msg))
+        raise RuntimeError(f"{what}: CUDA error {res} ({msg.value.decode() if msg.value else '?'})")
 
 
 def _load(idx: int, defines: dict[str, int]) -> tuple[int, int] | str:
