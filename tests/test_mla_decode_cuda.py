@@ -1,11 +1,12 @@
 """The CUDA decode kernel (quantmla.kernels.mla_decode_cuda) against the fp64 reference, and a CPU model of
 its fragment maps.
 
-The GPU tests need CUDA and nvcc; CI (CPU only) runs the model test, which mirrors the lane -> element maps of
+The GPU tests need CUDA and nvcc; CI (CPU only) runs the loader through a fake driver and the model test, which mirrors the lane -> element maps of
 mla_decode_int.cu (mma.sync m16n8k16 fragments, the k-slot -> channel permutation of q and the codes, the
 values' channel map) and checks that they reproduce q (128 + codes)^T and P (128 + codes).
 """
 
+import contextlib
 import os
 from dataclasses import replace
 
@@ -131,6 +132,60 @@ def test_fragment_maps_reproduce_the_products(CB, RB, DC, DR, RG):
                 g, t = lane >> 2, lane & 3
                 out[g, 16 * t + jn], out[g, 16 * t + 8 + jn], out[g + 8, 16 * t + jn], out[g + 8, 16 * t + 8 + jn] = C[lane]
         np.testing.assert_allclose(out, P @ (128 + vcodes[:, 64 * w:64 * w + 64]))
+
+
+# --- the loader, on the CPU through a fake driver ---------------------------------------------------------------
+
+
+class _FakeDriver:
+    """libcuda as `_load` uses it: the module publishes sizeof(Smem) (by stages), the device its opt-in limit."""
+
+    def __init__(self, limit, smem):
+        self.limit, self.smem, self.calls, self.stages = limit, smem, [], None
+
+    def __getattr__(self, name):
+        def call(*a):
+            self.calls.append(name)
+            out = {"cuCtxGetCurrent": 1, "cuModuleLoadData": 11, "cuModuleGetFunction": 22, "cuCtxGetDevice": 0,
+                   "cuMemcpyDtoH_v2": self.smem[self.stages], "cuDeviceGetAttribute": self.limit}.get(name)  # fmt: skip
+            if name == "cuDeviceGetAttribute":
+                assert a[1] == 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+            if out is not None:
+                a[0]._obj.value = out
+            return 0
+
+        return call
+
+
+@pytest.mark.parametrize("limit,want", [(232448, (22, 101376)), (100352, (22, 80896)), (49152, "49152")])
+def test_loader_picks_the_ring_that_fits(monkeypatch, limit, want):
+    """3 stages where they fit, else 2 (the 3-stage module unloaded), else a reason; kept once known."""
+    from quantmla.cache.paged import PagedMLACache
+    from quantmla.config import CacheConfig
+
+    fake = _FakeDriver(limit, {3: 101376, 2: 80896})
+
+    def build(defines, arch):
+        fake.stages = defines["STAGES"]
+        return b"cubin"
+
+    monkeypatch.setattr(mdc, "build_cubin", build)
+    monkeypatch.setattr(mdc, "_lib", fake)
+    monkeypatch.setattr(mdc, "_kernels", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda idx=None: (8, 6))
+    monkeypatch.setattr(torch.cuda, "device", lambda idx: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda idx=None: None)
+    cache = PagedMLACache.allocate(CacheConfig("int4", "int4"), 512, 64, 2, 1, block_size=64, device="meta")
+    got = mdc._kernel(torch.device("cuda", 0), cache)
+    if isinstance(want, str):
+        assert isinstance(got, str) and "shared memory" in got and want in got
+        with pytest.raises(ValueError, match="shared memory"):
+            mdc.prepare(cache, torch.device("cuda", 0))
+    else:
+        assert got == want
+        assert fake.calls.count("cuModuleUnload") == (want[1] != 101376)
+    n = len(fake.calls)
+    assert mdc._kernel(torch.device("cuda", 0), cache) == got and len(fake.calls) == n  # kept
 
 
 # --- the kernel on the GPU ------------------------------------------------------------------------------------
