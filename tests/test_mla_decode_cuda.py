@@ -1,9 +1,10 @@
-"""The CUDA decode kernel (quantmla.kernels.mla_decode_cuda) against the fp64 reference, and a CPU model of
-its fragment maps.
+"""The CUDA decode kernel (quantmla.kernels.mla_decode_cuda) against the fp64 reference, and CPU models of
+its loader and fragment maps.
 
-The GPU tests need CUDA and nvcc; CI (CPU only) runs the loader through a fake driver and the model test, which mirrors the lane -> element maps of
-mla_decode_int.cu (mma.sync m16n8k16 fragments, the k-slot -> channel permutation of q and the codes, the
-values' channel map) and checks that they reproduce q (128 + codes)^T and P (128 + codes).
+The GPU tests need CUDA and nvcc. CI (CPU only) runs the loader through a fake driver, and the model test,
+which mirrors the lane -> element maps of mla_decode_int.cu (mma.sync m16n8k16 fragments; the scores' k-slot
+-> channel map of q and of the subnormal codes; the values' channel map) and checks that they reproduce
+q . codes^T per scale group and P (128 + codes).
 """
 
 import contextlib
