@@ -19,9 +19,12 @@ H <= 16.
 
 "auto" picks it for H <= AUTO_CUDA_MAX_HEADS and max_seq_len >= AUTO_CUDA_MIN_SEQ, where it measured faster
 than the Triton kernel on the H200 at every batch size (benchmarks/results/decode_kernel_cuda_v2.md; at 4K
-and B >= 16 it is slower: the per-CTA prologue and the protected split weigh more there).
+and B >= 16 it is slower: the per-CTA prologue and the protected split weigh more there). max_seq_len is a
+bound, not the batch's lengths: the engine passes its max_model_len, so with a long limit this kernel also
+runs the short contexts.
 
-Build: nvcc -cubin for the device's architecture, one binary per (bits, dims, rope group), cached on disk under
+Build: nvcc -cubin for the device's architecture, one binary per (bits, dims, rope group, ring stages: 3, or 2
+where a block cannot hold the 3-stage ring's ~100 KB of shared memory; neither is an unsupported reason), cached on disk under
 $QUANTMLA_CACHE_DIR (default ~/.cache/quantmla/cuda), keyed by the source's hash and the options; loaded with the
 CUDA driver API through ctypes into the current (PyTorch's primary) context; launched on
 torch.cuda.current_stream(), so it is CUDA-graph capturable (build it once outside the capture).
