@@ -2,9 +2,13 @@
 
     PYTHONPATH=src python benchmarks/kernel_sass.py --kernel gluon            # the Gluon INT4/INT4 kernel
     PYTHONPATH=src python benchmarks/kernel_sass.py --kernel triton --format int8r128/int4 --heads 16
+    PYTHONPATH=src python benchmarks/kernel_sass.py --kernel cuda --format int4/int4 --lines 12
 
 `--kernel triton` compiles the very launch `mla_decode` makes for that cache and head count
 (`quantmla.kernels.offline.compile_decode`); `--const NAME=VALUE` changes one of its constexprs.
+`--kernel cuda` compiles `mla_decode_int.cu` with nvcc and the launcher's options (-D defines from --format,
+512 / 64 dims, 3 stages; --const changes one, e.g. DC=256 or STAGES=2); `--lines N` also attributes each loop's
+instructions to the N source lines with the most of them (compiled with -lineinfo, which leaves the code as is).
 
 Needs a Triton whose NVIDIA backend ships `nvdisasm` and `cuobjdump` (the pip wheels do) and, for
 `--kernel gluon`, `triton.experimental.gluon` (Triton 3.6). Prints registers, stack / local memory, shared
@@ -54,12 +58,13 @@ def _tool(name):
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
 
 
-def sass_and_resources(k) -> tuple[str, str]:
+def sass_and_resources(cubin: bytes, lines: bool = False) -> tuple[str, str]:
     d = tempfile.mkdtemp()
     p = os.path.join(d, "k.cubin")
     with open(p, "wb") as f:
-        f.write(k.asm["cubin"])
-    sass = subprocess.run([_tool("nvdisasm"), "-c", p], capture_output=True, text=True, check=True).stdout
+        f.write(cubin)
+    cmd = [_tool("nvdisasm"), "-c"] + (["-g"] if lines else []) + [p]
+    sass = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     res = subprocess.run([_tool("cuobjdump"), "--dump-resource-usage", p], capture_output=True, text=True).stdout
     res = " ".join(re.findall(r"(REG:\d+|STACK:\d+|SHARED:\d+|LOCAL:\d+)", res))
     return sass, res
@@ -106,14 +111,28 @@ def _mem_counts(body):
     return ", ".join(f"{o}:{n}" for o, n in sorted(c.items()))
 
 
-def report(k, label, top=20, dump=None):
-    sass, res = sass_and_resources(k)
+def source_lines(sass, start, end):
+    """{(file, line): Counter of opcodes} of the instructions in [start, end] (SASS from nvdisasm -g)."""
+    cur, out = None, collections.defaultdict(collections.Counter)
+    for line in sass.splitlines():
+        m = re.search(r'File "([^"]+)", line (\d+)', line)
+        if m:
+            cur = (os.path.basename(m.group(1)), int(m.group(2)))
+            continue
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if m and start <= int(m.group(1), 16) <= end:
+            out[cur][_opcode(re.sub(r"^@!?U?P\w+\s+", "", m.group(2).strip()))] += 1
+    return out
+
+
+def report(cubin, label, shared, top=20, dump=None, lines=0, src=None):
+    sass, res = sass_and_resources(cubin, lines=lines > 0)
     if dump:
         with open(dump, "w") as f:
             f.write(sass)
     ins = _instructions(sass)
     ops = collections.Counter(_opcode(x) for _, x in ins)
-    print(f"{label}: {res} | metadata shared {k.metadata.shared} B | static instructions {len(ins)}")
+    print(f"{label}: {res} | shared {shared} | static instructions {len(ins)}")
     print("  top:", ", ".join(f"{o}:{n}" for o, n in ops.most_common(top)))
     print("  memory ops (whole kernel):", _mem_counts([x for _, x in ins]))
     for i, (st, en, body) in enumerate(loops(sass)):
@@ -121,6 +140,12 @@ def report(k, label, top=20, dump=None):
         print(f"  loop {i} [{st:#x}-{en:#x}]: {len(body)} instructions")
         print("    memory:", _mem_counts(body))
         print("    top:", ", ".join(f"{o}:{n}" for o, n in lops.most_common(top)))
+        if lines:
+            text = open(src).read().splitlines() if src else []
+            by_line = source_lines(sass, st, en)
+            for (f, n), c in sorted(by_line.items(), key=lambda kv: -sum(kv[1].values()))[:lines]:
+                what = text[n - 1].strip()[:60] if src and f == os.path.basename(src) else f"{f}:{n}"
+                print(f"    {sum(c.values()):5d}  line {n}: {what}  ({', '.join(f'{o}:{k}' for o, k in c.most_common(3))})")
 
 
 def _gluon(args):
@@ -154,6 +179,27 @@ def _triton(args):
     return compile_decode(cache, args.heads, overrides=args.const)
 
 
+def _cuda(args):
+    """(cubin, label) of mla_decode_int.cu for --format with the launcher's nvcc options, plus -lineinfo."""
+    from quantmla.kernels import mla_decode_cuda as mdc
+
+    content, _, rope = args.format.partition("/")
+    bits = {"int4": 4, "int2": 2}
+    if content not in bits or (rope or content) not in bits:
+        sys.exit(f"--kernel cuda reads int4 / int2 codes, got {args.format}")
+    defines = {"CB": bits[content], "RB": bits[rope or content], "DC": 512, "DR": 64, "RG": 64, "STAGES": 3}
+    defines.update(args.const)
+    nvcc = mdc._nvcc()
+    if nvcc is None:
+        sys.exit("nvcc not found")
+    out = os.path.join(tempfile.mkdtemp(), "k.cubin")
+    opts = ["-std=c++17", "-O3", "-use_fast_math", "-gencode=arch=compute_90,code=sm_90", "-lineinfo"]
+    subprocess.run([nvcc, "-cubin", *opts, *(f"-D{k}={v}" for k, v in sorted(defines.items())), "-o", out,
+                    str(mdc.SRC)], check=True)  # fmt: skip
+    with open(out, "rb") as f:
+        return f.read(), "cuda " + " ".join(f"{k}={v}" for k, v in sorted(defines.items()))
+
+
 def _const(s):
     k, _, v = s.partition("=")
     if not _:
@@ -164,7 +210,7 @@ def _const(s):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    ap.add_argument("--kernel", choices=("triton", "gluon"), default="gluon")
+    ap.add_argument("--kernel", choices=("triton", "gluon", "cuda"), default="gluon")
     ap.add_argument("--format", default="int4/int4",
                     help="cache format CONTENT/ROPE, e.g. bf16, int4/int4, int8r128/int4 (--kernel triton only; the "
                     "Gluon kernel is INT4/INT4)")
@@ -180,11 +226,20 @@ def main(argv=None):
                     help="override / add a kernel constexpr (int, True or False)")
     ap.add_argument("--top", type=int, default=20, help="opcodes listed per loop")
     ap.add_argument("--dump", help="write the SASS to this file")
+    ap.add_argument("--lines", type=int, default=0, help="per loop, the N source lines with the most instructions")
     args = ap.parse_args(argv)
     args.const = dict(args.const)
+    if args.kernel == "cuda":
+        from quantmla.kernels.mla_decode_cuda import SRC
+
+        cubin, label = _cuda(args)
+        report(cubin, f"{label} sm_90", "sizeof(Smem), dynamic", top=args.top, dump=args.dump, lines=args.lines,
+               src=str(SRC))  # fmt: skip
+        return
     k = _gluon(args) if args.kernel == "gluon" else _triton(args)
     label = "gluon int4/int4" if args.kernel == "gluon" else f"triton {args.format}"
-    report(k, f"{label} sm_90", top=args.top, dump=args.dump)
+    report(k.asm["cubin"], f"{label} sm_90", f"{k.metadata.shared} B", top=args.top, dump=args.dump,
+           lines=args.lines)  # fmt: skip
 
 
 if __name__ == "__main__":
