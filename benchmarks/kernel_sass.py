@@ -180,22 +180,22 @@ def _triton(args):
 
 
 def _cuda(args):
-    """(cubin, label) of mla_decode_int.cu for --format with the launcher's nvcc options, plus -lineinfo."""
+    """(cubin, label) of mla_decode_int.cu for --format with the launcher's defines and nvcc options, plus
+    -lineinfo."""
+    from quantmla.cache.paged import PagedMLACache
+    from quantmla.config import CacheConfig
     from quantmla.kernels import mla_decode_cuda as mdc
 
     content, _, rope = args.format.partition("/")
-    bits = {"int4": 4, "int2": 2}
-    if content not in bits or (rope or content) not in bits:
+    cache = PagedMLACache.allocate(CacheConfig(content, rope or content), 512, 64, 2, 1, device="meta")
+    if mdc._int_bits(cache.content.fmt) is None or mdc._int_bits(cache.rope.fmt) is None:
         sys.exit(f"--kernel cuda reads int4 / int2 codes, got {args.format}")
-    defines = {"CB": bits[content], "RB": bits[rope or content], "DC": 512, "DR": 64, "RG": 64, "STAGES": 3}
-    defines.update(args.const)
+    defines = {**mdc._defines(cache), "STAGES": 3, **args.const}
     nvcc = mdc._nvcc()
     if nvcc is None:
         sys.exit("nvcc not found")
     out = os.path.join(tempfile.mkdtemp(), "k.cubin")
-    opts = ["-std=c++17", "-O3", "-use_fast_math", "-gencode=arch=compute_90,code=sm_90", "-lineinfo"]
-    subprocess.run([nvcc, "-cubin", *opts, *(f"-D{k}={v}" for k, v in sorted(defines.items())), "-o", out,
-                    str(mdc.SRC)], check=True)  # fmt: skip
+    subprocess.run([nvcc, "-cubin", *mdc.nvcc_options(defines, "90"), "-lineinfo", "-o", out, str(mdc.SRC)], check=True)
     with open(out, "rb") as f:
         return f.read(), "cuda " + " ".join(f"{k}={v}" for k, v in sorted(defines.items()))
 

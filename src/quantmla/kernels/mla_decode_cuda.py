@@ -138,11 +138,16 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("QUANTMLA_CACHE_DIR", Path.home() / ".cache" / "quantmla")) / "cuda"
 
 
+def nvcc_options(defines: dict[str, int], arch: str) -> list[str]:
+    """The nvcc options of mla_decode_int.cu for sm_<arch> with these -D defines."""
+    opts = ["-std=c++17", "-O3", "-use_fast_math", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
+    return opts + [f"-D{k}={v}" for k, v in sorted(defines.items())]
+
+
 def build_cubin(defines: dict[str, int], arch: str) -> bytes:
     """nvcc -cubin of mla_decode_int.cu with -D defines for sm_<arch>, through the on-disk cache."""
     src = SRC.read_bytes()
-    opts = ["-std=c++17", "-O3", "-use_fast_math", f"-gencode=arch=compute_{arch},code=sm_{arch}"]
-    opts += [f"-D{k}={v}" for k, v in sorted(defines.items())]
+    opts = nvcc_options(defines, arch)
     key = hashlib.sha256(src + " ".join(opts).encode()).hexdigest()[:24]
     path = _cache_dir() / f"mla_decode_int_{key}.cubin"
     if path.exists():
