@@ -6,7 +6,9 @@
 // per content group; tiles of NT = 64 tokens (one block-table entry each: a page holds whole tiles).
 //
 // Per body tile:
-//   scores  warp w owns NJ = 8 / NW n8-tiles of tokens and every channel, so no partial sums cross warps:
+//   scores  warp w takes the two n8 tiles of token quarter w % 4 (each q fragment load feeds two mmas) over
+//           channel slice w / 4 of CS = NW / 4 (content groups and rope k steps split in halves at DC 512);
+//           with two slices, each warp hands the other the partial sums of the tile that one keeps:
 //             S[16 heads, token] = 2^(6+e) Z + sum_g scale[t, g] 2^(24+e) acc_g      (fp32, log2 units)
 //           acc_g = mma chains in fp16 over the channels of scale group g. The B operand is the codes: one
 //           AND puts the code at bits [b, b + bits) of a 16-bit half into an fp16 subnormal worth
@@ -14,8 +16,8 @@
 //           byte). The A operand is q' = fp16(q * qk_scale * 2^-e / 2^b) (e puts max |q'| in [2^13, 2^14)),
 //           staged once per CTA in shared memory as ready fragments: a dot product does not care how k is
 //           ordered, so each thread's k slots are the codes of its own words (`q_slot` below).
-//           Z = sum_g zero[t, g] qsum_g 2^-6, one mma pair per n8 tile (zero fp16 exact; qsum 2^-6 as fp16
-//           hi + lo; qsum = the sum of the effective q over the group).
+//           Z = sum_g zero[t, g] qsum_g 2^-6, one mma pair per kept n8 tile (zero fp16 exact; qsum 2^-6 as
+//           fp16 hi + lo; qsum = the sum of the effective q over the group, from the fragments' k steps).
 //   softmax P = 2^(S - m) against the running max m, the same in every warp; only a tile whose scores pass m + 16
 //           somewhere exchanges its max through shared memory (a barrier vote decides); P (bf16) to shared memory.
 //   values  warp w: O[16, 64 channels of group w] += P'_w . (128 + code) in bf16 with P'_w = P * scale[t, w]
@@ -26,7 +28,7 @@
 // Protected BF16 rows (sink + recent window) are one extra split per sequence (split index nsb), prefetched to
 // L2 and read from global memory (clamped to a valid row: P = 0 drops the rest) with q in bf16, plain order.
 // Codes of body tiles are staged in shared memory by cp.async (STAGES deep); the scales and zeros of the next
-// tile are loaded into registers one tile ahead and converted when stored to shared memory.
+// tile are loaded into registers one tile ahead (branch-free) and converted when stored to shared memory.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -54,7 +56,9 @@
 #define NT 64  // tokens per tile
 constexpr int NW = DC / 64;              // warps: one per content group
 constexpr int NTHREADS = 32 * NW;
-constexpr int NJ = 8 / NW;               // score n8-tiles (8 tokens) per warp
+constexpr int NQ = NT / 16;              // token quarters (two n8 tiles) of a tile
+constexpr int CS = NW / NQ;              // channel slices of the scores: warp w takes quarter w % NQ, slice w / NQ
+constexpr int NJ = 2 / CS;               // n8 tiles of scores per warp after the slices' exchange
 constexpr int NGC = DC / 64, NGR = DR / RG, NG = NGC + NGR;  // scale groups
 constexpr int CROWB = DC * CB / 8;       // code bytes of one token
 constexpr int RROWB = DR * RB / 8;
@@ -79,6 +83,8 @@ static_assert(CB == 2 || CB == 4, "content bits");
 static_assert(RB == 2 || RB == 4, "rope bits");
 static_assert(DR % RG == 0 && RG % 16 == 0 && RGB % 16 == 0, "rope group: whole words for 4 threads");
 static_assert(NG <= 16, "at most 16 scale groups (one k16 step of the zero term)");
+static_assert(NGC == 2 * SZT, "scale staging: two content groups per thread");
+static_assert((CS == 1 || CS == 2) && NGC % CS == 0 && KSR % CS == 0, "channel slices of the scores");
 static_assert(DC % 8 == 0 && DR % 8 == 0 && (2 * NT * ZS * 2) % 16 == 0, "16-byte staging");
 static_assert(CCH % NTHREADS == 0 && RCH <= NTHREADS, "cp.async chunks per thread");
 
@@ -87,10 +93,15 @@ struct Ring {
   uint8_t rc[STAGES][NT * RRS];     // rope codes
 };
 
+struct Prologue {                  // before the first copy
+  float qst[16 * (DC + DR)];        // q * qk_scale [head][channel]
+  float qks[KS][16];                // per k step: sum of the effective q' times 2^shift [k step][head]
+};
+
 struct Smem {
   union {
     Ring ring;                      // the code tiles
-    float qst[16 * (DC + DR)];      // before the first copy: q * qk_scale [head][channel]
+    Prologue pro;
   };
   uint4 qf[KS * 32];                // q A fragments [k step][lane] (body: fp16 q'; protected: bf16 q)
   float scf[2][NG * SZS];           // scores: scale * 2^(24+e), [group][token]
@@ -104,6 +115,7 @@ struct Smem {
   float lsum[16][NW];
   float wz[16][8];                  // W of warp 0 at the end [head][group]
   float red[NW];
+  float4 xs[CS > 1 ? NW * 32 : 1];  // scores: the partial sums a slice hands to the other [warp][lane]
 };
 
 // sizeof(Smem), read by the launcher (the dynamic shared memory of a CTA).
@@ -189,27 +201,47 @@ __device__ __forceinline__ uint32_t word_of(const uint4& q, int i) {
   return i == 0 ? q.x : i == 1 ? q.y : i == 2 ? q.z : q.w;
 }
 
-// One scale group of the scores: the lane's WT code words at rp, KPG k steps with the q fragments at
-// qf[32 kk] (this lane's), times the group's scales of the lane's tokens (2t, 2t+1) at scp, added to s.
-template <int BITS, int WT, int KPG>
-__device__ __forceinline__ void group_scores(float (&s)[4], const uint8_t* rp, const uint4* qf, const float* scp) {
-  uint32_t wd[WT];
-  if constexpr (WT == 2) {
-    const uint2 v = *reinterpret_cast<const uint2*>(rp);
-    wd[0] = v.x;
-    wd[1] = v.y;
-  } else {
-    wd[0] = *reinterpret_cast<const uint32_t*>(rp);
-  }
-  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+// One run of k steps of the scores within one scale group, for the lane's two n8 tiles (token rows rp and
+// rp + 8 rows): the group's WT code words of each, NK k steps from k step KK0 of the group with the q fragments
+// at qf[32 kk] (this lane's, shared by both tiles), times the group's scales of the lane's tokens (2t, 2t+1)
+// of each tile (scp, scp + 8), added to s.
+template <int BITS, int WT>
+__device__ __forceinline__ void group_scores(float (&s)[2][4], const uint8_t* rp, int tile_bytes, const uint4* qf,
+                                             int kk0, int nk, const float* scp) {
+  uint32_t wd[2][WT];
 #pragma unroll
-  for (int kk = 0; kk < KPG; ++kk) mma_f16(acc, qf[32 * kk], sub_codes<BITS>(wd, 2 * kk), sub_codes<BITS>(wd, 2 * kk + 1));
-  const float2 sc = *reinterpret_cast<const float2*>(scp);
-  s[0] += sc.x * acc[0];
-  s[1] += sc.y * acc[1];
-  s[2] += sc.x * acc[2];
-  s[3] += sc.y * acc[3];
+  for (int j = 0; j < 2; ++j) {
+    const uint8_t* p = rp + j * tile_bytes;
+    if constexpr (WT == 2) {
+      const uint2 v = *reinterpret_cast<const uint2*>(p);
+      wd[j][0] = v.x;
+      wd[j][1] = v.y;
+    } else {
+      wd[j][0] = *reinterpret_cast<const uint32_t*>(p);
+    }
+  }
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int kk = 0; kk < nk; ++kk) {
+    const uint4 a = qf[32 * kk];
+    const int r = 2 * (kk0 + kk);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) mma_f16(acc[j], a, sub_codes<BITS>(wd[j], r), sub_codes<BITS>(wd[j], r + 1));
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float2 sc = *reinterpret_cast<const float2*>(scp + 8 * j);
+    s[j][0] += sc.x * acc[j][0];
+    s[j][1] += sc.y * acc[j][1];
+    s[j][2] += sc.x * acc[j][2];
+    s[j][3] += sc.y * acc[j][3];
+  }
 }
+
+template <int N>
+struct IntC {
+  static constexpr int value = N;
+};
 
 // ---- the scores' k-slot map ------------------------------------------------------------------------------
 // Body k step ks, lane (g, t), fragment register r (a0..a3: rows g, g+8, g, g+8; k slots 2t, 2t+1 for r < 2,
@@ -251,6 +283,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   const int split = blockIdx.x, b = blockIdx.y, hb = blockIdx.z;
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int h0 = hb * 16;
+  const int jt0 = CS == 1 ? 2 * w : 2 * (w % NQ) + w / NQ;  // first n8 tile of this warp's scores (tokens 8 jt0 ..)
 
   // Work: body tiles (positions [sink, q_hi), tiles of NT aligned to position 0) split over nsb splits;
   // split nsb (present when window > 0) takes the protected rows [0, min(L, window)).
@@ -312,8 +345,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     const bool live = h0 + h < H;
     const long long row = (long long)b * H + min(h0 + h, H - 1);
     const int esz = q_f32 ? 4 : 2;
-    stage_row(reinterpret_cast<const char*>(qn_ptr) + row * DC * esz, &sm.qst[h * (DC + DR)], DC, live);
-    stage_row(reinterpret_cast<const char*>(qp_ptr) + row * DR * esz, &sm.qst[h * (DC + DR) + DC], DR, live);
+    stage_row(reinterpret_cast<const char*>(qn_ptr) + row * DC * esz, &sm.pro.qst[h * (DC + DR)], DC, live);
+    stage_row(reinterpret_cast<const char*>(qp_ptr) + row * DR * esz, &sm.pro.qst[h * (DC + DR) + DC], DR, live);
   }
   float qs = 1.f, sfac = 1.f;  // q' = q * qk_scale * qs (fp16); S multiplier 2^e = sfac
   if (!prot_split) {
@@ -333,13 +366,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   }
   __syncthreads();
   auto q_eff = [&](int h, int ch, int shift) -> float {  // the value the tensor cores see, times 2^shift
-    const float v = sm.qst[h * (DC + DR) + ch] * qs;
+    const float v = sm.pro.qst[h * (DC + DR) + ch] * qs;
     if (prot_split) return __bfloat162float(__float2bfloat16_rn(v));
     return __half2float(__float2half_rn(v * __int_as_float((127 - shift) << 23)));  // v * 2^-shift
   };
+  // Fragments; with them, each k step's sum of the effective q' (times 2^shift) per head, for qsum. The trip
+  // count is warp-uniform (KS * 32 entries), so the lanes t of an entry row reduce by shuffles.
   for (int i = tid; i < KS * 32; i += NTHREADS) {
     const int ks = i >> 5, ln = i & 31, gg = ln >> 2, tt = ln & 3;
     uint32_t a[4];
+    float part[2] = {0.f, 0.f};  // rows gg, gg + 8
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
       const int h = gg + 8 * (r & 1), hi = r >> 1;
@@ -348,24 +384,33 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         a[r] = pack_bf16(q_eff(h, ch, 0), q_eff(h, ch + 1, 0));
       } else {
         const Slot sl = q_slot(ks, tt, hi);
-        a[r] = pack_f16(q_eff(h, sl.ch0, sl.shift), q_eff(h, sl.ch1, sl.shift));
+        const float v0 = q_eff(h, sl.ch0, sl.shift), v1 = q_eff(h, sl.ch1, sl.shift);
+        a[r] = pack_f16(v0, v1);
+        part[r & 1] += (v0 + v1) * __int_as_float((127 + sl.shift) << 23);  // exact: v * 2^shift
       }
     }
     sm.qf[i] = make_uint4(a[0], a[1], a[2], a[3]);
+    if (!prot_split) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        part[r] += __shfl_xor_sync(0xffffffffu, part[r], 1);
+        part[r] += __shfl_xor_sync(0xffffffffu, part[r], 2);
+      }
+      if (tt == 0) {
+        sm.pro.qks[ks][gg] = part[0];
+        sm.pro.qks[ks][gg + 8] = part[1];
+      }
+    }
   }
   uint32_t qz_hi[4] = {0u, 0u, 0u, 0u}, qz_lo[4] = {0u, 0u, 0u, 0u};  // A fragments of qsum 2^-6 [head][group]
   if (!prot_split) {
+    __syncthreads();
     for (int i = tid; i < 16 * 16; i += NTHREADS) {
       const int h = i >> 4, G = i & 15;
       float s = 0.f;
       if (G < NG) {
-        const bool rope = G >= NGC;
-        const int bits = rope ? RB : CB, gs = rope ? RG : 64, c0 = rope ? DC + (G - NGC) * RG : 64 * G;
-#pragma unroll 8
-        for (int c = 0; c < gs; ++c) {
-          const int shift = bits * (c % (8 / bits));
-          s += q_eff(h, c0 + c, shift) * (float)(1 << shift);
-        }
+        const int k0 = G < NGC ? 4 * G : KSC + (G - NGC) * (RG / 16), kn = G < NGC ? 4 : RG / 16;
+        for (int k = k0; k < k0 + kn; ++k) s += sm.pro.qks[k][h];
       }
       sm.qsum[h][G] = s * 0.015625f;  // 2^-6 keeps it inside fp16's range
     }
@@ -447,7 +492,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       for (int j = 0; j < NJ; ++j) {
         const float p0 = exp2f(x[j][2 * r] - m_i[r]), p1 = exp2f(x[j][2 * r + 1] - m_i[r]);
         ls += p0 + p1;
-        *reinterpret_cast<uint32_t*>(&sm.p[h * PS + 8 * (NJ * w + j) + 2 * t]) = pack_bf16(p0, p1);
+        *reinterpret_cast<uint32_t*>(&sm.p[h * PS + 8 * (jt0 + j) + 2 * t]) = pack_bf16(p0, p1);
       }
       l_i[r] += ls;
     }
@@ -480,49 +525,49 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       }
       cp_commit();
     };
-    // Scales and zeros: thread tid takes token tid % NT and the groups G = tid / NT + k * SZT (k < NSZ).
+    // Scales and zeros: thread tid takes token tid % NT and the groups G = tid / NT + k * SZT (k < NSZ); as
+    // NGC = 2 SZT, slots 0 and 1 are content groups and the rest rope groups. Branch-free: a rope slot past
+    // the last group loads group NGR - 1 and stores nothing; a tile past te loads the rows of pool row 0
+    // (row_of) and stores into a buffer nobody reads.
     __half ls_[NSZ], lz_[NSZ];
     const int sz_tok = tid % NT, sz_g0 = tid / NT;
-    auto load_sz = [&](int tt, long long row0) {
-      if (tt >= te) return;
+    auto load_sz = [&](long long row0) {
       const long long row = row0 + sz_tok;
-      const __half* cs = cs_ptr + row * c_sz_row;
-      const __half* cz = cz_ptr + row * c_sz_row;
-      const __half* rs = rs_ptr + row * r_sz_row - NGC;
-      const __half* rz = rz_ptr + row * r_sz_row - NGC;
+      const __half* cs = cs_ptr + row * c_sz_row + sz_g0;
+      const __half* cz = cz_ptr + row * c_sz_row + sz_g0;
+      const __half* rs = rs_ptr + row * r_sz_row;
+      const __half* rz = rz_ptr + row * r_sz_row;
 #pragma unroll
       for (int k = 0; k < NSZ; ++k) {
-        const int G = sz_g0 + k * SZT;
-        if (G < NGC) {
-          ls_[k] = cs[G];
-          lz_[k] = cz[G];
-        } else if (G < NG) {
-          ls_[k] = rs[G];
-          lz_[k] = rz[G];
+        if (k < 2) {
+          ls_[k] = cs[k * SZT];
+          lz_[k] = cz[k * SZT];
+        } else {
+          const int rg = min(sz_g0 + (k - 2) * SZT, NGR - 1);
+          ls_[k] = rs[rg];
+          lz_[k] = rz[rg];
         }
       }
     };
     const float ssc = sfac * 16777216.f;  // 2^(24+e)
     auto store_sz = [&](int tt) {  // invalid tokens get scale 0, zero 0 (their pool rows may hold NaN)
-      if (tt >= te) return;
       const int pos = (tt + t_lo) * NT + sz_tok;
       const bool ok = pos >= sink && pos < q_hi;
       const int buf = tt & 1;
       constexpr float mid = (float)(1 << (CB - 1));
 #pragma unroll
       for (int k = 0; k < NSZ; ++k) {
-        const int G = sz_g0 + k * SZT;
-        if (G < NG) {
-          const float sc = ok ? __half2float(ls_[k]) : 0.f, z = ok ? __half2float(lz_[k]) : 0.f;
-          sm.scf[buf][G * SZS + sz_tok] = sc * ssc;
-          sm.zh[buf][sz_tok * ZS + G] = __float2half_rn(z);
-          if (G < NGC) {
-            sm.scb[buf][G * SZS + sz_tok] = __float2bfloat16_rn(sc);
-            const float zc = z + mid * sc;
-            const __nv_bfloat16 zhb = __float2bfloat16_rn(zc);
-            sm.zch[buf][G * SZS + sz_tok] = zhb;
-            sm.zcl[buf][G * SZS + sz_tok] = __float2bfloat16_rn(zc - __bfloat162float(zhb));
-          }
+        const int G = k < 2 ? sz_g0 + k * SZT : NGC + sz_g0 + (k - 2) * SZT;
+        if (k >= 2 && G >= NG) continue;
+        const float sc = ok ? __half2float(ls_[k]) : 0.f, z = ok ? __half2float(lz_[k]) : 0.f;
+        sm.scf[buf][G * SZS + sz_tok] = sc * ssc;
+        sm.zh[buf][sz_tok * ZS + G] = __float2half_rn(z);
+        if (k < 2) {
+          sm.scb[buf][G * SZS + sz_tok] = __float2bfloat16_rn(sc);
+          const float zc = z + mid * sc;
+          const __nv_bfloat16 zhb = __float2bfloat16_rn(zc);
+          sm.zch[buf][G * SZS + sz_tok] = zhb;
+          sm.zcl[buf][G * SZS + sz_tok] = __float2bfloat16_rn(zc - __bfloat162float(zhb));
         }
       }
     };
@@ -537,13 +582,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       nxt[i] = row_of(tb + 1 + i);
       issue(tb + i, i == 0 ? row_of(tb) : nxt[i - 1]);
     }
-    load_sz(tb, row_of(tb));
-    store_sz(tb);
+    if (tb < te) {  // (an empty pool has no row 0)
+      load_sz(row_of(tb));
+      store_sz(tb);
+    }
     for (int tt = tb; tt < te; ++tt) {
       cp_wait<STAGES - 2>();
       __syncthreads();  // tile tt's codes and scales are in; everyone is done with tile tt-1
       issue(tt + STAGES - 1, nxt[STAGES - 2]);
-      load_sz(tt + 1, nxt[0]);
+      load_sz(nxt[0]);
 #pragma unroll
       for (int i = 0; i < STAGES - 2; ++i) nxt[i] = nxt[i + 1];
       nxt[STAGES - 2] = row_of(tt + STAGES);
@@ -553,33 +600,54 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       const uint8_t* src = sm.ring.rc[tt % STAGES];
       const int buf = tt & 1;
 
-      // ---- scores: this warp's NJ n8 tiles, all channels
+      // ---- scores: this warp's two n8 tiles (quarter w % NQ) over its channel slice; with two slices the
+      // warps of a quarter hand each other the partial sums of the tile the other keeps (jt0)
       float x[NJ][4];
+      {
+        float s[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+        float keep[4];
+        const int tq = 16 * (w % NQ);  // the quarter's first token
+        auto slice = [&](auto csc) {
+          constexpr int cs = decltype(csc)::value;
 #pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const int n0 = 8 * (NJ * w + j);  // first token of the n8 tile
-        const int tok = n0 + g;           // this lane's B column
-        float s[4] = {0.f, 0.f, 0.f, 0.f};
-        {
-          const uint32_t zb0 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t]);
-          const uint32_t zb1 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t + 8]);
-          mma_f16(s, make_uint4(qz_hi[0], qz_hi[1], qz_hi[2], qz_hi[3]), zb0, zb1);
-          mma_f16(s, make_uint4(qz_lo[0], qz_lo[1], qz_lo[2], qz_lo[3]), zb0, zb1);
-          s[0] *= zfac; s[1] *= zfac; s[2] *= zfac; s[3] *= zfac;
+          for (int gi = 0; gi < NGC / CS; ++gi) {
+            const int G = cs * (NGC / CS) + gi;
+            group_scores<CB, WTC>(s, scc + (tq + g) * CRS + G * CGB + t * 4 * WTC, 8 * CRS, &sm.qf[4 * G * 32 + lane], 0,
+                                  4, &sm.scf[buf][G * SZS + tq + 2 * t]);
+          }
+          constexpr int KPG = RG / 16, KSL = KSR / CS, KC = KPG < KSL ? KPG : KSL;  // a run stays in one group
+#pragma unroll
+          for (int c = 0; c < KSL / KC; ++c) {
+            const int ks = cs * KSL + c * KC, G = ks / KPG;  // rope k step, rope group
+            group_scores<RB, WTR>(s, src + (tq + g) * RRS + G * RGB + t * 4 * WTR, 8 * RRS,
+                                  &sm.qf[(KSC + ks) * 32 + lane], ks % KPG, KC, &sm.scf[buf][(NGC + G) * SZS + tq + 2 * t]);
+          }
+          if constexpr (CS > 1) {
+            sm.xs[w * 32 + lane] = make_float4(s[1 - cs][0], s[1 - cs][1], s[1 - cs][2], s[1 - cs][3]);
+#pragma unroll
+            for (int e = 0; e < 4; ++e) keep[e] = s[cs][e];
+          }
+        };
+        if (CS == 1 || w < NQ) slice(IntC<0>{});
+        else slice(IntC<CS - 1>{});
+        if constexpr (CS > 1) {
+          __syncthreads();  // the partial sums are in
+          const float4 o = sm.xs[((w + NQ) % NW) * 32 + lane];
+          s[0][0] = keep[0] + o.x; s[0][1] = keep[1] + o.y; s[0][2] = keep[2] + o.z; s[0][3] = keep[3] + o.w;
         }
 #pragma unroll
-        for (int G = 0; G < NGC; ++G)
-          group_scores<CB, WTC, 4>(s, scc + tok * CRS + G * CGB + t * 4 * WTC, &sm.qf[4 * G * 32 + lane],
-                                   &sm.scf[buf][G * SZS + n0 + 2 * t]);
-#pragma unroll
-        for (int G = 0; G < NGR; ++G)
-          group_scores<RB, WTR, RG / 16>(s, src + tok * RRS + G * RGB + t * 4 * WTR,
-                                         &sm.qf[(KSC + G * (RG / 16)) * 32 + lane],
-                                         &sm.scf[buf][(NGC + G) * SZS + n0 + 2 * t]);
-        const int c0 = n0 + 2 * t;
-        const bool v0 = c0 >= vlo && c0 < vhi, v1 = c0 + 1 >= vlo && c0 + 1 < vhi;
-        x[j][0] = v0 ? s[0] : -INFINITY; x[j][1] = v1 ? s[1] : -INFINITY;
-        x[j][2] = v0 ? s[2] : -INFINITY; x[j][3] = v1 ? s[3] : -INFINITY;
+        for (int j = 0; j < NJ; ++j) {
+          const int n0 = 8 * (jt0 + j), tok = n0 + g;
+          float z[4] = {0.f, 0.f, 0.f, 0.f};
+          const uint32_t zb0 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t]);
+          const uint32_t zb1 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t + 8]);
+          mma_f16(z, make_uint4(qz_hi[0], qz_hi[1], qz_hi[2], qz_hi[3]), zb0, zb1);
+          mma_f16(z, make_uint4(qz_lo[0], qz_lo[1], qz_lo[2], qz_lo[3]), zb0, zb1);
+          const int c0 = n0 + 2 * t;
+          const bool v0 = c0 >= vlo && c0 < vhi, v1 = c0 + 1 >= vlo && c0 + 1 < vhi;
+          x[j][0] = v0 ? s[j][0] + zfac * z[0] : -INFINITY; x[j][1] = v1 ? s[j][1] + zfac * z[1] : -INFINITY;
+          x[j][2] = v0 ? s[j][2] + zfac * z[2] : -INFINITY; x[j][3] = v1 ? s[j][3] + zfac * z[3] : -INFINITY;
+        }
       }
       softmax(x);
 
@@ -642,7 +710,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       float x[NJ][4];
 #pragma unroll
       for (int j = 0; j < NJ; ++j) {
-        const int n0 = 8 * (NJ * w + j);
+        const int n0 = 8 * (jt0 + j);
         const int tok = min(n0 + g, nv - 1);
         float s[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll 12
