@@ -93,16 +93,8 @@ struct Ring {
   uint8_t rc[STAGES][NT * RRS];     // rope codes
 };
 
-struct Prologue {                  // before the first copy
-  float qst[16 * (DC + DR)];        // q * qk_scale [head][channel]
-  float qks[KS][16];                // per k step: sum of the effective q' times 2^shift [k step][head]
-};
-
 struct Smem {
-  union {
-    Ring ring;                      // the code tiles
-    Prologue pro;
-  };
+  Ring ring;                        // the code tiles
   uint4 qf[KS * 32];                // q A fragments [k step][lane] (body: fp16 q'; protected: bf16 q)
   float scf[2][NG * SZS];           // scores: scale * 2^(24+e), [group][token]
   alignas(16) __half zh[2][NT * ZS];  // scores: zero (fp16), [token][group]; groups >= NG stay 0
@@ -113,9 +105,13 @@ struct Smem {
   float qsum[16][16];               // sum of the effective q' over each group [head][group]
   float mx[16][NW];                 // per-warp tile max per head
   float lsum[16][NW];
-  float wz[16][8];                  // W of warp 0 at the end [head][group]
+  uint4 qzf[2][32];                 // A fragments of qsum 2^-6 [head][group] as fp16, hi and lo part [lane]
   float red[NW];
-  float4 xs[CS > 1 ? NW * 32 : 1];  // scores: the partial sums a slice hands to the other [warp][lane]
+  union {
+    float4 xs[CS > 1 ? NW * 32 : 1];  // scores: the partial sums a slice hands to the other [warp][lane]
+    float qks[KS][16];                // prologue: per k step, the sum of the effective q' times 2^shift [k step][head]
+    float wz[NW][16][8];              // epilogue: each warp's part of W [warp][head][group]
+  } xu;
 };
 
 // sizeof(Smem), read by the launcher (the dynamic shared memory of a CTA).
@@ -252,17 +248,17 @@ struct IntC {
 struct Slot {
   int ch0, ch1, shift;
 };
+template <bool ROPE>  // compile-time, so that the divisions below are shifts
 __device__ __forceinline__ Slot q_slot(int ks, int t, int hi) {
-  const bool rope = ks >= KSC;
-  const int bits = rope ? RB : CB, cpb = 8 / bits;
-  const int kpg = rope ? RG / 16 : 4;                  // k steps per group
-  const int kk = rope ? (ks - KSC) % kpg : ks % 4;     // k step within the group
-  const int grp = rope ? (ks - KSC) / kpg : ks / 4;
-  const int wt = rope ? WTR : WTC;                     // words per thread per group
+  constexpr int bits = ROPE ? RB : CB, cpb = 8 / bits;
+  constexpr int kpg = ROPE ? RG / 16 : 4;              // k steps per group
+  constexpr int wt = ROPE ? WTR : WTC;                 // words per thread per group
+  const int kr = ROPE ? ks - KSC : ks;
+  const int kk = kr % kpg, grp = kr / kpg;             // k step within the group, group
   const int r = 2 * kk + hi;                           // register of the group
   const int u = r / (2 * cpb), s = (r / cpb) & 1, j = r % cpb;
   const int wi = grp * 4 * wt + t * wt + u;            // word of the token's row
-  const int base = rope ? DC : 0;
+  const int base = ROPE ? DC : 0;
   return Slot{base + (4 * wi + s) * cpb + j, base + (4 * wi + 2 + s) * cpb + j, bits * j};
 }
 
@@ -303,7 +299,67 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     te = (min(L, window) + NT - 1) / NT;
   }
 
-  if (prot_split) {  // the protected rows go to L2 while q is staged (they are read with plain loads below)
+  // ---- the body's copies: codes by cp.async (STAGES deep), scales / zeros one tile ahead through registers.
+  // The first tiles are issued before the q prologue, which hides their latency.
+  const int* bt_row = bt_ptr + (long long)b * bt_stride;
+  const int tpp = page / NT;  // tiles per page
+  // Block-table entry of a tile (0 past te: a page whose rows nobody uses), and the pool row of its first position.
+  auto tile_blk = [&](int tt) -> int {
+    const int tile = tt + t_lo;
+    return tt < te ? bt_row[tpp == 1 ? tile : tile / tpp] : 0;
+  };
+  auto tile_row = [&](int tt, int blk) -> long long {
+    return (long long)blk * page + (tpp == 1 ? 0 : ((tt + t_lo) % tpp) * NT);
+  };
+  auto issue = [&](int tt, long long row0) {
+    if (tt < te) {
+      uint8_t* dc = sm.ring.cc[tt % STAGES];
+      uint8_t* dr = sm.ring.rc[tt % STAGES];
+      constexpr int CPR = CROWB / 16, RPR = RROWB / 16;  // chunks per row
+      const uint8_t* src = cc_ptr + (row0 + tid / CPR) * c_row + 16 * (tid % CPR);
+      uint8_t* dst = dc + (tid / CPR) * CRS + 16 * (tid % CPR);
+#pragma unroll
+      for (int i = 0; i < CCH / NTHREADS; ++i)
+        cp_async16(dst + i * (NTHREADS / CPR) * CRS, src + i * (NTHREADS / CPR) * c_row);
+      if (tid < RCH)
+        cp_async16(dr + (tid / RPR) * RRS + 16 * (tid % RPR), rc_ptr + (row0 + tid / RPR) * r_row + 16 * (tid % RPR));
+    }
+    cp_commit();
+  };
+  // Scales and zeros: thread tid takes token tid % NT and the groups G = tid / NT + k * SZT (k < NSZ); as
+  // NGC = 2 SZT, slots 0 and 1 are content groups and the rest rope groups. Branch-free: a rope slot past
+  // the last group loads group NGR - 1 and stores nothing; a tile past te loads rows of its page 0 and
+  // stores into a buffer nobody reads.
+  __half ls_[NSZ], lz_[NSZ];
+  const int sz_tok = tid % NT, sz_g0 = tid / NT;
+  auto load_sz = [&](long long row0) {
+    const long long row = row0 + sz_tok;
+    const __half* cs = cs_ptr + row * c_sz_row + sz_g0;
+    const __half* cz = cz_ptr + row * c_sz_row + sz_g0;
+    const __half* rs = rs_ptr + row * r_sz_row;
+    const __half* rz = rz_ptr + row * r_sz_row;
+#pragma unroll
+    for (int k = 0; k < NSZ; ++k) {
+      if (k < 2) {
+        ls_[k] = cs[k * SZT];
+        lz_[k] = cz[k * SZT];
+      } else {
+        const int rg = min(sz_g0 + (k - 2) * SZT, NGR - 1);
+        ls_[k] = rs[rg];
+        lz_[k] = rz[rg];
+      }
+    }
+  };
+  int nxt[STAGES - 1];  // block-table entries of tiles tt+1 .. tt+STAGES-1, read a tile before they are needed
+  if (!prot_split) {
+    const int blk0 = tile_blk(tb);
+    if (tb < te) load_sz(tile_row(tb, blk0));  // first: they are needed first (an empty pool has no row 0)
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+      nxt[i] = tile_blk(tb + 1 + i);
+      issue(tb + i, tile_row(tb + i, i == 0 ? blk0 : nxt[i - 1]));
+    }
+  } else {  // the protected rows go to L2 while q is read (they are read with plain loads below)
     const long long r0 = (long long)slots_ptr[b] * window;
     const int n_p = min(L, window);
     const char* pc = reinterpret_cast<const char*>(pc_ptr + r0 * DC);
@@ -312,41 +368,57 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     for (int off = tid * 128; off < n_p * DR * 2; off += NTHREADS * 128) prefetch_l2(pr + off);
   }
 
-  // ---- q: staged once in shared memory (q * qk_scale, fp32), then fragments, qsum, the exponent e
-  // Warp w stages heads w * 16 / NW ..: 16-byte loads of its rows (the launcher passes 16-byte aligned rows).
+  // ---- q fragments. Thread tid builds entries i = tid + e NTHREADS (k step i / 32, lane i % 32 = its own
+  // lane): it reads their q values straight from global memory into registers (pairs of adjacent channels:
+  // a body slot's channel + 1 is the same slot of the register hi = 1; the protected order pairs within a
+  // register), takes max |q * qk_scale| over the CTA (the exponent e; body splits only), then rounds. As
+  // KSC * 32 = 4 NTHREADS, entries e < 4 are content k steps and the rest rope ones.
+  constexpr int FE = (KS * 32 + NTHREADS - 1) / NTHREADS;
+  static_assert(KSC * 32 == 4 * NTHREADS, "four content fragment entries per thread");
+  float fv[FE][4][2];  // [entry][register a0..a3][half]: q * qk_scale (0: padded head or no entry)
   float amax = 0.f;
-  auto stage_row = [&](const void* src, float* dst, int dim, bool live) {
-    if (q_f32) {
-      for (int c = 4 * lane; c < dim; c += 128) {
-        const float4 v = live ? __ldg(reinterpret_cast<const float4*>(src) + c / 4) : make_float4(0.f, 0.f, 0.f, 0.f);
-        const float4 x = make_float4(v.x * qk_scale, v.y * qk_scale, v.z * qk_scale, v.w * qk_scale);
-        *reinterpret_cast<float4*>(dst + c) = x;
-        amax = fmaxf(amax, fmaxf(fmaxf(fabsf(x.x), fabsf(x.y)), fmaxf(fabsf(x.z), fabsf(x.w))));
-      }
-    } else {
-      for (int c = 8 * lane; c < dim; c += 256) {
-        const uint4 v = live ? ld_u4(reinterpret_cast<const __nv_bfloat16*>(src) + c) : make_uint4(0u, 0u, 0u, 0u);
-        float x[8];
+  const int esz = q_f32 ? 4 : 2;
+  const char *qn_row[2], *qp_row[2];  // [hr]: the rows of heads h0 + g + 8 hr (clamped; padded heads read as 0)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&reinterpret_cast<const uint32_t*>(&v)[e]));
-          x[2 * e] = f.x * qk_scale;
-          x[2 * e + 1] = f.y * qk_scale;
-          amax = fmaxf(amax, fmaxf(fabsf(x[2 * e]), fabsf(x[2 * e + 1])));
-        }
-        reinterpret_cast<float4*>(dst + c)[0] = make_float4(x[0], x[1], x[2], x[3]);
-        reinterpret_cast<float4*>(dst + c)[1] = make_float4(x[4], x[5], x[6], x[7]);
-      }
-    }
+  for (int hr = 0; hr < 2; ++hr) {
+    const long long row = (long long)b * H + min(h0 + g + 8 * hr, H - 1);
+    qn_row[hr] = reinterpret_cast<const char*>(qn_ptr) + row * DC * esz;
+    qp_row[hr] = reinterpret_cast<const char*>(qp_ptr) + row * DR * esz;
+  }
+  auto q_pair = [&](int hr, int ch) -> float2 {  // q * qk_scale at channels ch, ch + 1 (ch even) of head g + 8 hr
+    if (h0 + g + 8 * hr >= H) return make_float2(0.f, 0.f);
+    const bool rope = ch >= DC;
+    const char* src = rope ? qp_row[hr] + (ch - DC) * esz : qn_row[hr] + ch * esz;
+    const float2 v = q_f32 ? __ldg(reinterpret_cast<const float2*>(src))
+                           : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&(const uint32_t&)ld_u32(src)));
+    return make_float2(v.x * qk_scale, v.y * qk_scale);
   };
 #pragma unroll
-  for (int hh = 0; hh < 16 / NW; ++hh) {
-    const int h = w * (16 / NW) + hh;
-    const bool live = h0 + h < H;
-    const long long row = (long long)b * H + min(h0 + h, H - 1);
-    const int esz = q_f32 ? 4 : 2;
-    stage_row(reinterpret_cast<const char*>(qn_ptr) + row * DC * esz, &sm.pro.qst[h * (DC + DR)], DC, live);
-    stage_row(reinterpret_cast<const char*>(qp_ptr) + row * DR * esz, &sm.pro.qst[h * (DC + DR) + DC], DR, live);
+  for (int e = 0; e < FE; ++e) {
+    const int ks = (tid + e * NTHREADS) >> 5;
+    const bool valid = ks < KS;  // warp-uniform
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      if (!valid) {
+        fv[e][hr][0] = fv[e][hr][1] = fv[e][hr + 2][0] = fv[e][hr + 2][1] = 0.f;
+      } else if (prot_split) {  // plain order: register (hr, hi) = channels 16 ks + 2t + 8 hi, + 1
+#pragma unroll
+        for (int hi = 0; hi < 2; ++hi) {
+          const float2 v = q_pair(hr, 16 * ks + 2 * t + 8 * hi);
+          fv[e][hr + 2 * hi][0] = v.x;
+          fv[e][hr + 2 * hi][1] = v.y;
+        }
+      } else {  // register (hr, hi) = slots (ch0 + hi, ch1 + hi)
+        const Slot sl = e < 4 ? q_slot<false>(ks, t, 0) : q_slot<true>(ks, t, 0);
+        const float2 v0 = q_pair(hr, sl.ch0), v1 = q_pair(hr, sl.ch1);
+        fv[e][hr][0] = v0.x;
+        fv[e][hr + 2][0] = v0.y;
+        fv[e][hr][1] = v1.x;
+        fv[e][hr + 2][1] = v1.y;
+      }
+#pragma unroll
+      for (int r = hr; r < 4; r += 2) amax = fmaxf(amax, fmaxf(fabsf(fv[e][r][0]), fabsf(fv[e][r][1])));
+    }
   }
   float qs = 1.f, sfac = 1.f;  // q' = q * qk_scale * qs (fp16); S multiplier 2^e = sfac
   if (!prot_split) {
@@ -364,45 +436,39 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       sfac = ldexpf(1.f, ex - 14);
     }
   }
-  __syncthreads();
-  auto q_eff = [&](int h, int ch, int shift) -> float {  // the value the tensor cores see, times 2^shift
-    const float v = sm.pro.qst[h * (DC + DR) + ch] * qs;
-    if (prot_split) return __bfloat162float(__float2bfloat16_rn(v));
-    return __half2float(__float2half_rn(v * __int_as_float((127 - shift) << 23)));  // v * 2^-shift
-  };
-  // Fragments; with them, each k step's sum of the effective q' (times 2^shift) per head, for qsum. The trip
-  // count is warp-uniform (KS * 32 entries), so the lanes t of an entry row reduce by shuffles.
-  for (int i = tid; i < KS * 32; i += NTHREADS) {
-    const int ks = i >> 5, ln = i & 31, gg = ln >> 2, tt = ln & 3;
-    uint32_t a[4];
-    float part[2] = {0.f, 0.f};  // rows gg, gg + 8
+  // Round (body: fp16 of q * qk_scale * qs / 2^shift; protected: bf16) and store; body entries also give
+  // each k step's sum of the effective q' times 2^shift per head (lanes t reduce by shuffles), for qsum.
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int h = gg + 8 * (r & 1), hi = r >> 1;
-      if (prot_split) {  // plain order: channels 16 ks + 2t (+1), + 8
-        const int ch = 16 * ks + 2 * tt + 8 * hi;
-        a[r] = pack_bf16(q_eff(h, ch, 0), q_eff(h, ch + 1, 0));
-      } else {
-        const Slot sl = q_slot(ks, tt, hi);
-        const float v0 = q_eff(h, sl.ch0, sl.shift), v1 = q_eff(h, sl.ch1, sl.shift);
-        a[r] = pack_f16(v0, v1);
-        part[r & 1] += (v0 + v1) * __int_as_float((127 + sl.shift) << 23);  // exact: v * 2^shift
+  for (int e = 0; e < FE; ++e) {
+    const int i = tid + e * NTHREADS, ks = i >> 5;
+    if (ks >= KS) continue;  // warp-uniform
+    uint32_t a[4];
+    if (prot_split) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] = pack_bf16(fv[e][r][0], fv[e][r][1]);
+    } else {
+      float part[2] = {0.f, 0.f};
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int shift = (e < 4 ? q_slot<false>(ks, t, r >> 1) : q_slot<true>(ks, t, r >> 1)).shift;
+        const float down = __int_as_float((127 - shift) << 23), up = __int_as_float((127 + shift) << 23);
+        const __half2 hv = __floats2half2_rn(fv[e][r][0] * qs * down, fv[e][r][1] * qs * down);
+        a[r] = *reinterpret_cast<const uint32_t*>(&hv);
+        const float2 back = __half22float2(hv);
+        part[r & 1] += (back.x + back.y) * up;  // exact: the effective value times 2^shift
       }
-    }
-    sm.qf[i] = make_uint4(a[0], a[1], a[2], a[3]);
-    if (!prot_split) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         part[r] += __shfl_xor_sync(0xffffffffu, part[r], 1);
         part[r] += __shfl_xor_sync(0xffffffffu, part[r], 2);
       }
-      if (tt == 0) {
-        sm.pro.qks[ks][gg] = part[0];
-        sm.pro.qks[ks][gg + 8] = part[1];
+      if (t == 0) {
+        sm.xu.qks[ks][g] = part[0];
+        sm.xu.qks[ks][g + 8] = part[1];
       }
     }
+    sm.qf[i] = make_uint4(a[0], a[1], a[2], a[3]);
   }
-  uint32_t qz_hi[4] = {0u, 0u, 0u, 0u}, qz_lo[4] = {0u, 0u, 0u, 0u};  // A fragments of qsum 2^-6 [head][group]
   if (!prot_split) {
     __syncthreads();
     for (int i = tid; i < 16 * 16; i += NTHREADS) {
@@ -410,19 +476,24 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       float s = 0.f;
       if (G < NG) {
         const int k0 = G < NGC ? 4 * G : KSC + (G - NGC) * (RG / 16), kn = G < NGC ? 4 : RG / 16;
-        for (int k = k0; k < k0 + kn; ++k) s += sm.pro.qks[k][h];
+        for (int k = k0; k < k0 + kn; ++k) s += sm.xu.qks[k][h];
       }
       sm.qsum[h][G] = s * 0.015625f;  // 2^-6 keeps it inside fp16's range
     }
     for (int i = tid; i < (int)(sizeof(sm.zh) / 16); i += NTHREADS) reinterpret_cast<uint4*>(&sm.zh[0][0])[i] = make_uint4(0u, 0u, 0u, 0u);
     __syncthreads();
+    if (w == 0) {
+      uint32_t hi[4], lo[4];
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {  // a0 (row g, groups 2t, 2t+1), a1 (row g+8), a2 (row g, 2t+8..), a3
-      const int h = g + 8 * (r & 1), G = 2 * t + 8 * (r >> 1);
-      const float v0 = sm.qsum[h][G], v1 = sm.qsum[h][G + 1];
-      const float h0f = __half2float(__float2half_rn(v0)), h1f = __half2float(__float2half_rn(v1));
-      qz_hi[r] = pack_f16(h0f, h1f);
-      qz_lo[r] = pack_f16(v0 - h0f, v1 - h1f);
+      for (int r = 0; r < 4; ++r) {  // a0 (row g, groups 2t, 2t+1), a1 (row g+8), a2 (row g, 2t+8..), a3
+        const int h = g + 8 * (r & 1), G = 2 * t + 8 * (r >> 1);
+        const float v0 = sm.qsum[h][G], v1 = sm.qsum[h][G + 1];
+        const float h0f = __half2float(__float2half_rn(v0)), h1f = __half2float(__float2half_rn(v1));
+        hi[r] = pack_f16(h0f, h1f);
+        lo[r] = pack_f16(v0 - h0f, v1 - h1f);
+      }
+      sm.qzf[0][lane] = make_uint4(hi[0], hi[1], hi[2], hi[3]);
+      sm.qzf[1][lane] = make_uint4(lo[0], lo[1], lo[2], lo[3]);
     }
   }
   __syncthreads();
@@ -433,14 +504,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   corr[0] = corr[1] = corr[2] = corr[3] = 0.f;
   wacc[0] = wacc[1] = wacc[2] = wacc[3] = 0.f;
   float m_i[2] = {-INFINITY, -INFINITY}, l_i[2] = {0.f, 0.f};
-
-  const int* bt_row = bt_ptr + (long long)b * bt_stride;
-  const int tpp = page / NT;  // tiles per page
-  auto tile_row0 = [&](int tt) -> long long {  // pool row of the tile's first position
-    const int tile = tt + t_lo;
-    if (tpp == 1) return (long long)bt_row[tile] * page;
-    return (long long)bt_row[tile / tpp] * page + (tile % tpp) * NT;
-  };
 
   // Softmax of this warp's scores x (NJ n8 tiles; rows g, g+8; columns 2t, 2t+1), P to shared memory. P is
   // taken against the running max m_i, the same in every warp, and may reach 2^MARGIN (bf16 and the fp32
@@ -509,46 +572,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   };
 
   if (!prot_split) {
-    // ---- body tiles: codes by cp.async (STAGES deep), scales / zeros one tile ahead through registers
-    auto issue = [&](int tt, long long row0) {
-      if (tt < te) {
-        uint8_t* dc = sm.ring.cc[tt % STAGES];
-        uint8_t* dr = sm.ring.rc[tt % STAGES];
-        constexpr int CPR = CROWB / 16, RPR = RROWB / 16;  // chunks per row
-        const uint8_t* src = cc_ptr + (row0 + tid / CPR) * c_row + 16 * (tid % CPR);
-        uint8_t* dst = dc + (tid / CPR) * CRS + 16 * (tid % CPR);
-#pragma unroll
-        for (int i = 0; i < CCH / NTHREADS; ++i)
-          cp_async16(dst + i * (NTHREADS / CPR) * CRS, src + i * (NTHREADS / CPR) * c_row);
-        if (tid < RCH)
-          cp_async16(dr + (tid / RPR) * RRS + 16 * (tid % RPR), rc_ptr + (row0 + tid / RPR) * r_row + 16 * (tid % RPR));
-      }
-      cp_commit();
-    };
-    // Scales and zeros: thread tid takes token tid % NT and the groups G = tid / NT + k * SZT (k < NSZ); as
-    // NGC = 2 SZT, slots 0 and 1 are content groups and the rest rope groups. Branch-free: a rope slot past
-    // the last group loads group NGR - 1 and stores nothing; a tile past te loads the rows of pool row 0
-    // (row_of) and stores into a buffer nobody reads.
-    __half ls_[NSZ], lz_[NSZ];
-    const int sz_tok = tid % NT, sz_g0 = tid / NT;
-    auto load_sz = [&](long long row0) {
-      const long long row = row0 + sz_tok;
-      const __half* cs = cs_ptr + row * c_sz_row + sz_g0;
-      const __half* cz = cz_ptr + row * c_sz_row + sz_g0;
-      const __half* rs = rs_ptr + row * r_sz_row;
-      const __half* rz = rz_ptr + row * r_sz_row;
-#pragma unroll
-      for (int k = 0; k < NSZ; ++k) {
-        if (k < 2) {
-          ls_[k] = cs[k * SZT];
-          lz_[k] = cz[k * SZT];
-        } else {
-          const int rg = min(sz_g0 + (k - 2) * SZT, NGR - 1);
-          ls_[k] = rs[rg];
-          lz_[k] = rz[rg];
-        }
-      }
-    };
+    // ---- body tiles
     const float ssc = sfac * 16777216.f;  // 2^(24+e)
     auto store_sz = [&](int tt) {  // invalid tokens get scale 0, zero 0 (their pool rows may hold NaN)
       const int pos = (tt + t_lo) * NT + sz_tok;
@@ -572,28 +596,15 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       }
     };
     const float zfac = sfac * 64.f;  // Z was computed with qsum 2^-6
-
-    // Pool rows of tiles tt+1 .. tt+STAGES-1, each read from the block table (global memory) a tile before
-    // it is needed: a read right before the copies would hold them up.
-    auto row_of = [&](int tt) -> long long { return tt < te ? tile_row0(tt) : 0; };
-    long long nxt[STAGES - 1];
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-      nxt[i] = row_of(tb + 1 + i);
-      issue(tb + i, i == 0 ? row_of(tb) : nxt[i - 1]);
-    }
-    if (tb < te) {  // (an empty pool has no row 0)
-      load_sz(row_of(tb));
-      store_sz(tb);
-    }
+    if (tb < te) store_sz(tb);
     for (int tt = tb; tt < te; ++tt) {
       cp_wait<STAGES - 2>();
       __syncthreads();  // tile tt's codes and scales are in; everyone is done with tile tt-1
-      issue(tt + STAGES - 1, nxt[STAGES - 2]);
-      load_sz(nxt[0]);
+      issue(tt + STAGES - 1, tile_row(tt + STAGES - 1, nxt[STAGES - 2]));
+      load_sz(tile_row(tt + 1, nxt[0]));
 #pragma unroll
       for (int i = 0; i < STAGES - 2; ++i) nxt[i] = nxt[i + 1];
-      nxt[STAGES - 2] = row_of(tt + STAGES);
+      nxt[STAGES - 2] = tile_blk(tt + STAGES);
       const int pos0 = (tt + t_lo) * NT;
       const int vlo = max(sink - pos0, 0), vhi = min(q_hi - pos0, NT);
       const uint8_t* scc = sm.ring.cc[tt % STAGES];
@@ -623,7 +634,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
                                   &sm.qf[(KSC + ks) * 32 + lane], ks % KPG, KC, &sm.scf[buf][(NGC + G) * SZS + tq + 2 * t]);
           }
           if constexpr (CS > 1) {
-            sm.xs[w * 32 + lane] = make_float4(s[1 - cs][0], s[1 - cs][1], s[1 - cs][2], s[1 - cs][3]);
+            sm.xu.xs[w * 32 + lane] = make_float4(s[1 - cs][0], s[1 - cs][1], s[1 - cs][2], s[1 - cs][3]);
 #pragma unroll
             for (int e = 0; e < 4; ++e) keep[e] = s[cs][e];
           }
@@ -632,7 +643,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         else slice(IntC<CS - 1>{});
         if constexpr (CS > 1) {
           __syncthreads();  // the partial sums are in
-          const float4 o = sm.xs[((w + NQ) % NW) * 32 + lane];
+          const float4 o = sm.xu.xs[((w + NQ) % NW) * 32 + lane];
           s[0][0] = keep[0] + o.x; s[0][1] = keep[1] + o.y; s[0][2] = keep[2] + o.z; s[0][3] = keep[3] + o.w;
         }
 #pragma unroll
@@ -641,8 +652,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
           float z[4] = {0.f, 0.f, 0.f, 0.f};
           const uint32_t zb0 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t]);
           const uint32_t zb1 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t + 8]);
-          mma_f16(z, make_uint4(qz_hi[0], qz_hi[1], qz_hi[2], qz_hi[3]), zb0, zb1);
-          mma_f16(z, make_uint4(qz_lo[0], qz_lo[1], qz_lo[2], qz_lo[3]), zb0, zb1);
+          mma_f16(z, sm.qzf[0][lane], zb0, zb1);
+          mma_f16(z, sm.qzf[1][lane], zb0, zb1);
           const int c0 = n0 + 2 * t;
           const bool v0 = c0 >= vlo && c0 < vhi, v1 = c0 + 1 >= vlo && c0 + 1 < vhi;
           x[j][0] = v0 ? s[j][0] + zfac * z[0] : -INFINITY; x[j][1] = v1 ? s[j][1] + zfac * z[1] : -INFINITY;
@@ -657,16 +668,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         const int k0 = 16 * ks + 2 * t;  // this lane's tokens: k0, k0+1 (b0 / a01), k0+8, k0+9 (b1 / a23)
         uint32_t pa[4];
         p_frag(ks, pa);
-        if (w == 0) {  // W: B column g = group g (hi, then lo part)
-          uint32_t zb[4] = {0u, 0u, 0u, 0u};
-          if (g < NGC) {
-            zb[0] = *reinterpret_cast<const uint32_t*>(&sm.zch[buf][g * SZS + k0]);
-            zb[1] = *reinterpret_cast<const uint32_t*>(&sm.zch[buf][g * SZS + k0 + 8]);
-            zb[2] = *reinterpret_cast<const uint32_t*>(&sm.zcl[buf][g * SZS + k0]);
-            zb[3] = *reinterpret_cast<const uint32_t*>(&sm.zcl[buf][g * SZS + k0 + 8]);
+        if (ks == w % NQ) {  // W: B column g = group g; warp w takes k step w % NQ, the hi and / or lo part
+          const bool hi = CS == 1 || w < NQ, lo = CS == 1 || w >= NQ;
+          if (hi) {
+            const uint32_t z0 = g < NGC ? *reinterpret_cast<const uint32_t*>(&sm.zch[buf][g * SZS + k0]) : 0u;
+            const uint32_t z1 = g < NGC ? *reinterpret_cast<const uint32_t*>(&sm.zch[buf][g * SZS + k0 + 8]) : 0u;
+            mma_bf16(wacc, pa, z0, z1);
           }
-          mma_bf16(wacc, pa, zb[0], zb[1]);
-          mma_bf16(wacc, pa, zb[2], zb[3]);
+          if (lo) {
+            const uint32_t z0 = g < NGC ? *reinterpret_cast<const uint32_t*>(&sm.zcl[buf][g * SZS + k0]) : 0u;
+            const uint32_t z1 = g < NGC ? *reinterpret_cast<const uint32_t*>(&sm.zcl[buf][g * SZS + k0 + 8]) : 0u;
+            mma_bf16(wacc, pa, z0, z1);
+          }
         }
         const uint32_t s0 = *reinterpret_cast<const uint32_t*>(&sm.scb[buf][w * SZS + k0]);
         const uint32_t s1 = *reinterpret_cast<const uint32_t*>(&sm.scb[buf][w * SZS + k0 + 8]);
@@ -757,12 +770,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     sm.lsum[g][w] = l_i[0];
     sm.lsum[g + 8][w] = l_i[1];
   }
-  if (w == 0) {  // W [head][group]: C fragment rows g, g+8, columns 2t, 2t+1
-    sm.wz[g][2 * t] = wacc[0];
-    sm.wz[g][2 * t + 1] = wacc[1];
-    sm.wz[g + 8][2 * t] = wacc[2];
-    sm.wz[g + 8][2 * t + 1] = wacc[3];
-  }
+  // this warp's part of W [head][group]: C fragment rows g, g+8, columns 2t, 2t+1 (the exchange buffer is free)
+  sm.xu.wz[w][g][2 * t] = wacc[0];
+  sm.xu.wz[w][g][2 * t + 1] = wacc[1];
+  sm.xu.wz[w][g + 8][2 * t] = wacc[2];
+  sm.xu.wz[w][g + 8][2 * t + 1] = wacc[3];
   __syncthreads();
   const long long prow = ((long long)b * nst + split) * H;
 #pragma unroll
@@ -775,7 +787,10 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     const float inv = ok ? 1.f / l : 0.f;
     if (w == 0 && t == 0 && h0 + h < H)
       plse_ptr[prow + h0 + h] = ok ? (m_i[r] + log2f(l)) * 0.6931471805599453f : -INFINITY;
-    const float add = prot_split ? 0.f : sm.wz[h][w] - corr[2 * r];
+    float wsum = 0.f;
+#pragma unroll
+    for (int ww = 0; ww < NW; ++ww) wsum += sm.xu.wz[ww][h][w];
+    const float add = prot_split ? 0.f : wsum - corr[2 * r];
     if (h0 + h < H) {
       float* dst = po_ptr + (prow + h0 + h) * DC + 64 * w + 16 * t;
       float v[16];
