@@ -350,24 +350,6 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       }
     }
   };
-  int nxt[STAGES - 1];  // block-table entries of tiles tt+1 .. tt+STAGES-1, read a tile before they are needed
-  if (!prot_split) {
-    const int blk0 = tile_blk(tb);
-    if (tb < te) load_sz(tile_row(tb, blk0));  // first: they are needed first (an empty pool has no row 0)
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-      nxt[i] = tile_blk(tb + 1 + i);
-      issue(tb + i, tile_row(tb + i, i == 0 ? blk0 : nxt[i - 1]));
-    }
-  } else {  // the protected rows go to L2 while q is read (they are read with plain loads below)
-    const long long r0 = (long long)slots_ptr[b] * window;
-    const int n_p = min(L, window);
-    const char* pc = reinterpret_cast<const char*>(pc_ptr + r0 * DC);
-    const char* pr = reinterpret_cast<const char*>(pr_ptr + r0 * DR);
-    for (int off = tid * 128; off < n_p * DC * 2; off += NTHREADS * 128) prefetch_l2(pc + off);
-    for (int off = tid * 128; off < n_p * DR * 2; off += NTHREADS * 128) prefetch_l2(pr + off);
-  }
-
   // ---- q fragments. Thread tid builds entries i = tid + e NTHREADS (k step i / 32, lane i % 32 = its own
   // lane): it reads their q values straight from global memory into registers (pairs of adjacent channels:
   // a body slot's channel + 1 is the same slot of the register hi = 1; the protected order pairs within a
@@ -375,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   // KSC * 32 = 4 NTHREADS, entries e < 4 are content k steps and the rest rope ones.
   constexpr int FE = (KS * 32 + NTHREADS - 1) / NTHREADS;
   static_assert(KSC * 32 == 4 * NTHREADS, "four content fragment entries per thread");
-  float fv[FE][4][2];  // [entry][register a0..a3][half]: q * qk_scale (0: padded head or no entry)
+  float fv[FE][4][2];  // [entry][register a0..a3][half]: q, then q * qk_scale (0: padded head or no entry)
   float amax = 0.f;
   const int esz = q_f32 ? 4 : 2;
   const char *qn_row[2], *qp_row[2];  // [hr]: the rows of heads h0 + g + 8 hr (clamped; padded heads read as 0)
@@ -385,13 +367,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     qn_row[hr] = reinterpret_cast<const char*>(qn_ptr) + row * DC * esz;
     qp_row[hr] = reinterpret_cast<const char*>(qp_ptr) + row * DR * esz;
   }
-  auto q_pair = [&](int hr, int ch) -> float2 {  // q * qk_scale at channels ch, ch + 1 (ch even) of head g + 8 hr
+  auto q_pair = [&](int hr, int ch) -> float2 {  // q at channels ch, ch + 1 (ch even) of head g + 8 hr
     if (h0 + g + 8 * hr >= H) return make_float2(0.f, 0.f);
     const bool rope = ch >= DC;
     const char* src = rope ? qp_row[hr] + (ch - DC) * esz : qn_row[hr] + ch * esz;
-    const float2 v = q_f32 ? __ldg(reinterpret_cast<const float2*>(src))
-                           : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&(const uint32_t&)ld_u32(src)));
-    return make_float2(v.x * qk_scale, v.y * qk_scale);
+    return q_f32 ? __ldg(reinterpret_cast<const float2*>(src))
+                 : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&(const uint32_t&)ld_u32(src)));
   };
 #pragma unroll
   for (int e = 0; e < FE; ++e) {
@@ -416,10 +397,35 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         fv[e][hr][1] = v1.x;
         fv[e][hr + 2][1] = v1.y;
       }
-#pragma unroll
-      for (int r = hr; r < 4; r += 2) amax = fmaxf(amax, fmaxf(fabsf(fv[e][r][0]), fabsf(fv[e][r][1])));
     }
   }
+  int nxt[STAGES - 1];  // block-table entries of tiles tt+1 .. tt+STAGES-1, read a tile before they are needed
+  if (!prot_split) {
+    const int blk0 = tile_blk(tb);
+    if (tb < te) load_sz(tile_row(tb, blk0));  // first: they are needed first (an empty pool has no row 0)
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+      nxt[i] = tile_blk(tb + 1 + i);
+      issue(tb + i, tile_row(tb + i, i == 0 ? blk0 : nxt[i - 1]));
+    }
+  } else {  // the protected rows go to L2 while q is read (they are read with plain loads below)
+    const long long r0 = (long long)slots_ptr[b] * window;
+    const int n_p = min(L, window);
+    const char* pc = reinterpret_cast<const char*>(pc_ptr + r0 * DC);
+    const char* pr = reinterpret_cast<const char*>(pr_ptr + r0 * DR);
+    for (int off = tid * 128; off < n_p * DC * 2; off += NTHREADS * 128) prefetch_l2(pc + off);
+    for (int off = tid * 128; off < n_p * DR * 2; off += NTHREADS * 128) prefetch_l2(pr + off);
+  }
+
+  // (the copies above are issued while the q loads are in flight)
+#pragma unroll
+  for (int e = 0; e < FE; ++e)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      fv[e][r][0] *= qk_scale;
+      fv[e][r][1] *= qk_scale;
+      amax = fmaxf(amax, fmaxf(fabsf(fv[e][r][0]), fabsf(fv[e][r][1])));
+    }
   float qs = 1.f, sfac = 1.f;  // q' = q * qk_scale * qs (fp16); S multiplier 2^e = sfac
   if (!prot_split) {
 #pragma unroll
