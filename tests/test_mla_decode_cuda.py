@@ -263,12 +263,10 @@ def test_dispatch_and_refusals(monkeypatch):
     cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, [100], page=64, recent=128)
     dev = torch.device("cuda")
     monkeypatch.delenv(mdc.ENV, raising=False)
-    long = mdc.AUTO_CUDA_MIN_SEQ
-    assert mdc.decode_kernel_name(cache, 16, dev, long) == "cuda"  # where it measured faster
-    assert mdc.decode_kernel_name(cache, 16, dev, long - 1) == "triton"
-    assert mdc.decode_kernel_name(cache, 16, dev) == "triton"  # no bound given: not chosen
-    assert mdc.decode_kernel_name(cache, 128, dev, long) == "triton"
-    assert mdc.decode_kernel_name(cache, 16, torch.device("cpu"), long) == "triton"
+    assert mdc.decode_kernel_name(cache, 16, dev) == "cuda"  # where it measured faster
+    assert mdc.decode_kernel_name(cache, mdc.AUTO_CUDA_MAX_HEADS + 1, dev) == "triton"
+    assert mdc.decode_kernel_name(cache, 128, dev) == "triton"
+    assert mdc.decode_kernel_name(cache, 16, torch.device("cpu")) == "triton"
     monkeypatch.setenv(mdc.ENV, "triton")
     assert mdc.decode_kernel_name(cache, 16, dev) == "triton"
     monkeypatch.setenv(mdc.ENV, "cuda")
@@ -278,7 +276,7 @@ def test_dispatch_and_refusals(monkeypatch):
                             (("int4", "int4"), 32, "pages"), (("int4", "int2:32"), 64, "rope")]:  # fmt: skip
         c, *_ = fill(fmts, 512, 64 if fmts[1] != "int2:32" else 32, [100], page=page, recent=128)
         assert why in (mdc.unsupported_reason(c, 16, dev) or ""), fmts
-        assert mdc.decode_kernel_name(c, 16, dev, long) == "triton"
+        assert mdc.decode_kernel_name(c, 16, dev) == "triton"
         with pytest.raises(ValueError, match="cannot run"):
             q = torch.zeros(1, 16, c.kv_lora_rank, device=dev)
             mdc.mla_decode_cuda(q, torch.zeros(1, 16, c.rope_dim, device=dev), c, table, seq_lens, slots, 0.1,
@@ -304,7 +302,7 @@ def test_shared_memory_fallback(monkeypatch):
     monkeypatch.setattr(mdc, "_load", lambda idx, d: "needs 101376 bytes of shared memory per block, the device allows 101")
     assert "shared memory" in mdc.unsupported_reason(cache, 16, dev)
     monkeypatch.delenv(mdc.ENV, raising=False)
-    assert mdc.decode_kernel_name(cache, 16, dev, 1 << 20) == "triton"
+    assert mdc.decode_kernel_name(cache, 16, dev) == "triton"
     with pytest.raises(ValueError, match="shared memory"):
         mdc.prepare(cache, dev)
 
@@ -338,7 +336,7 @@ def test_token_axis_caches_never_go_to_the_cuda_kernel(monkeypatch, fmts):
     cache = PagedMLACache.allocate(CacheConfig(*fmts), 512, 64, 2, 1, block_size=64, device="meta")
     for choice in ("auto", "cuda"):
         monkeypatch.setenv(mdc.ENV, choice)
-        assert mdc.decode_kernel_name(cache, 16, torch.device("cuda"), 1 << 20) == "triton"
+        assert mdc.decode_kernel_name(cache, 16, torch.device("cuda")) == "triton"
     assert "token-axis" in mdc.unsupported_reason(cache, 16, torch.device("cuda"))
     with pytest.raises(ValueError, match="cannot run this: token-axis"):
         mdc.mla_decode_cuda(torch.zeros(1, 16, 512), torch.zeros(1, 16, 64), cache, None, None, None, 0.1,

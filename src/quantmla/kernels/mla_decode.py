@@ -776,7 +776,7 @@ def mla_decode(
     dev = q_nope_absorbed.device
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if B else 0
-    kernel = decode_kernel_name(cache, H, dev, max_seq_len) if config is None else "triton"
+    kernel = decode_kernel_name(cache, H, dev) if config is None else "triton"
     if kernel == "gluon":
         from quantmla.kernels import mla_decode_gluon as _gluon
 

@@ -17,11 +17,9 @@ What it takes (`unsupported_reason` says why not, and the Triton kernel then run
 Heads are processed 16 per CTA (padded): the kernel reads the cache once per 16 heads, so it is meant for
 H <= 16.
 
-"auto" picks it for H <= AUTO_CUDA_MAX_HEADS and max_seq_len >= AUTO_CUDA_MIN_SEQ, where it measured faster
-than the Triton kernel on the H200 at every batch size (benchmarks/results/decode_kernel_cuda_v2.md; at 4K
-and B >= 16 it is slower: the per-CTA prologue and the protected split weigh more there). max_seq_len is a
-bound, not the batch's lengths: the engine passes its max_model_len, so with a long limit this kernel also
-runs the short contexts.
+"auto" picks it for H <= AUTO_CUDA_MAX_HEADS, where it measured faster than the Triton kernel on the H200 at
+every batch size (1, 16, 64) and context (1K to 64K) (benchmarks/results/decode_kernel_cuda_v3.md). At 128
+heads it reads the cache once per 16 heads and is slower (decode_kernel_cuda_v3_128h.md).
 
 Build: nvcc -cubin for the device's architecture, one binary per (bits, dims, rope group, ring stages: 3, or 2
 where a block cannot hold the 3-stage ring's ~100 KB of shared memory; neither is an unsupported reason), cached on disk under
@@ -47,11 +45,10 @@ import torch
 SRC = Path(__file__).with_name("mla_decode_int.cu")
 NT = 64  # tokens per tile (a page must hold whole tiles)
 ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | gluon | auto
-# "auto" picks the CUDA kernel up to this many heads (it reads the cache once per 16 heads) and from this
-# max_seq_len on (benchmarks/results/decode_kernel_cuda_v2.md, H200, 16 heads: faster than Triton's INT4
-# kernel at 16K and 64K for B = 1, 16, 64; slower at 4K for B >= 16).
+# "auto" picks the CUDA kernel up to this many heads (it reads the cache once per 16 heads):
+# benchmarks/results/decode_kernel_cuda_v3.md, H200, 16 heads: faster than Triton's integer kernel at every
+# batch size and context measured; 128 heads: slower at B = 16 (decode_kernel_cuda_v3_128h.md).
 AUTO_CUDA_MAX_HEADS = 16
-AUTO_CUDA_MIN_SEQ = 16384
 
 
 def _int_bits(fmt) -> int | None:
@@ -98,13 +95,13 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
     return got if isinstance(got, str) else None
 
 
-def decode_kernel_name(cache, num_heads: int, device, max_seq_len: int | None = None) -> str:
+def decode_kernel_name(cache, num_heads: int, device) -> str:
     """Which kernel `mla_decode` runs for this cache, head count and device: "cuda", "gluon" or "triton".
 
     $QUANTMLA_DECODE_KERNEL: "triton" always Triton; "cuda" the CUDA kernel (mla_decode raises if it cannot
     run); "gluon" the Hopper Gluon kernel of `mla_decode_gluon` (opt-in, never chosen by "auto"; raises
-    ValueError if it cannot run); "auto" (default) the CUDA kernel where it is supported, num_heads <=
-    AUTO_CUDA_MAX_HEADS and max_seq_len >= AUTO_CUDA_MIN_SEQ (where it measured faster), else Triton. A cache
+    ValueError if it cannot run); "auto" (default) the CUDA kernel where it is supported and num_heads <=
+    AUTO_CUDA_MAX_HEADS (where it measured faster), else Triton. A cache
     with a token-axis or a ranked path is always Triton's: the other kernels read neither token-axis scales
     nor partial rows."""
     choice = os.environ.get(ENV, "auto").lower()
@@ -116,8 +113,7 @@ def decode_kernel_name(cache, num_heads: int, device, max_seq_len: int | None = 
         return "triton"
     if choice in ("cuda", "gluon"):
         return choice
-    if (num_heads <= AUTO_CUDA_MAX_HEADS and (max_seq_len or 0) >= AUTO_CUDA_MIN_SEQ
-            and unsupported_reason(cache, num_heads, device) is None):  # fmt: skip
+    if num_heads <= AUTO_CUDA_MAX_HEADS and unsupported_reason(cache, num_heads, device) is None:
         return "cuda"
     return "triton"
 
