@@ -158,7 +158,7 @@ def report(meta, prof, src_lines, top: int) -> str:
     out = [
         "# The CUDA decode kernel by source line (Nsight Compute SourceCounters)",
         "",
-        f"Card: {meta['card']}. Date: {meta['date']}. Commit {meta['commit']}. Command: `{meta['command']}`. "
+        f"Card: {meta['card']}. Date: {meta['date']}. Command: `{meta['command']}`. "
         f"{meta['case']}; one launch, -lineinfo build.",
         "",
         "| region | % of warp samples | % of instructions |",
@@ -198,11 +198,9 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     prof = profile(args)
-    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
     meta = {
         "card": torch.cuda.get_device_name(0),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": git.stdout.strip() or "?",
         "command": " ".join(["python"] + sys.argv),
         "case": f"{args.format}, batch {args.batch}, context {args.context}, {args.heads} heads, kv_lora_rank 512, rope 64",
     }
