@@ -200,8 +200,8 @@ if GPU:
 LENS = [0, 1, 7, 131, 132, 133, 200, 257, 700, 4097]
 
 
-def _run(fmts, H, lens=LENS, dc=512, dr=64, splits=None, odt=torch.float32, sink=4, recent=128, seed=0):
-    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, lens, page=64, recent=recent, sink=sink, seed=seed)
+def _run(fmts, H, lens=LENS, dc=512, dr=64, splits=None, odt=torch.float32, sink=4, recent=128, seed=0, page=64):
+    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, lens, page=page, recent=recent, sink=sink, seed=seed)
     qn, qp = queries(len(lens), H, dc, dr)
     assert mdc.unsupported_reason(cache, H, qn.device) is None
     out, lse = mdc.mla_decode_cuda(qn, qp, cache, table, seq_lens, slots, 0.05, max_seq_len=max(lens),
@@ -229,6 +229,15 @@ def test_cuda_kernel_splits_and_bf16_out(splits):
 def test_cuda_kernel_windows(sink, recent):
     """No protected rows at all (no extra split), a window with no sink, a sink longer than a tile."""
     _run(("int4", "int4"), 16, lens=[0, 5, 64, 65, 78, 79, 300, 1000], sink=sink, recent=recent)
+
+
+@needs_gpu
+@pytest.mark.parametrize("page", [128, 256])
+def test_cuda_kernel_pages_of_several_tiles(page):
+    """Pages of 2 and 4 tiles: a tile's rows are its page's entry times the page plus its place in the page; a
+    sink of 70 starts the body in the page's second tile."""
+    _run(("int4", "int4"), 16, page=page, seed=page)
+    _run(("int4", "int4"), 16, lens=[0, 5, 200, 1000], sink=70, recent=8, page=page, splits=3)
 
 
 @needs_gpu
@@ -273,7 +282,8 @@ def test_dispatch_and_refusals(monkeypatch):
     assert mdc.decode_kernel_name(cache, 128, dev) == "cuda"
     monkeypatch.setenv(mdc.ENV, "auto")
     for fmts, page, why in [(("fp8", "bf16"), 64, "int4/int2"), (("int4:32", "int4"), 64, "content group"),
-                            (("int4", "int4"), 32, "pages"), (("int4", "int2:32"), 64, "rope")]:  # fmt: skip
+                            (("int4", "int4"), 32, "pages"), (("int4", "int4"), 192, "power of two"),
+                            (("int4", "int2:32"), 64, "rope")]:  # fmt: skip
         c, *_ = fill(fmts, 512, 64 if fmts[1] != "int2:32" else 32, [100], page=page, recent=128)
         assert why in (mdc.unsupported_reason(c, 16, dev) or ""), fmts
         assert mdc.decode_kernel_name(c, 16, dev) == "triton"

@@ -10,7 +10,7 @@ What it takes (`unsupported_reason` says why not, and the Triton kernel then run
   - content and rope both int4 or int2 (asymmetric: fp16 scale + zero per group of channels, not token-axis:
     `decode_kernel_name` gives those to Triton whatever $QUANTMLA_DECODE_KERNEL says), content group 64, rope group
     a multiple of 32 (int4) or 64 (int2) channels; dc a multiple of 256, dr * bits a multiple of 128;
-  - pages of a multiple of 64 tokens; protected rows in bf16;
+  - pages of 64 tokens times a power of two (64, 128, 256, ...); protected rows in bf16;
   - pools of whole contiguous rows (row strides may exceed the width, as in vLLM's packed rows), code rows
     16-byte aligned; scale and zero with one row stride.
   - kv_lora_rank 256 or 512 (one warp per 64-channel content group), at most 16 scale groups.
@@ -80,8 +80,9 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
     if dr % rg or rg % 16 or (rg * rb) % 128 or dc // 64 + dr // rg > 16:
         return (f"needs rope groups of whole 16-channel steps and 16 bytes per token (got rope dims {dr}, group "
                 f"{rg}, {rb} bits) and at most 16 scale groups")
-    if cache.block_size % NT:
-        return f"needs pages of a multiple of {NT} tokens, got {cache.block_size}"
+    tiles = cache.block_size // NT
+    if cache.block_size % NT or tiles & (tiles - 1):
+        return f"needs pages of {NT} tokens times a power of two, got {cache.block_size}"
     if cache.window and (cache.protected_content.dtype != torch.bfloat16 or cache.protected_rope.dtype != torch.bfloat16):
         return "needs bf16 protected rows"
     if not (cache.protected_content.is_contiguous() and cache.protected_rope.is_contiguous()):

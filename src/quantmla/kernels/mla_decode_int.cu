@@ -302,14 +302,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   // ---- the body's copies: codes by cp.async (STAGES deep), scales / zeros one tile ahead through registers.
   // The first tiles are issued before the q prologue, which hides their latency.
   const int* bt_row = bt_ptr + (long long)b * bt_stride;
-  const int tpp = page / NT;  // tiles per page
+  const int tpp_lg = __ffs(page / NT) - 1;  // tiles per page: a power of two (the launcher checks)
   // Block-table entry of a tile (0 past te: a page whose rows nobody uses), and the pool row of its first position.
-  auto tile_blk = [&](int tt) -> int {
-    const int tile = tt + t_lo;
-    return tt < te ? bt_row[tpp == 1 ? tile : tile / tpp] : 0;
-  };
+  auto tile_blk = [&](int tt) -> int { return tt < te ? bt_row[(tt + t_lo) >> tpp_lg] : 0; };
   auto tile_row = [&](int tt, int blk) -> long long {
-    return (long long)blk * page + (tpp == 1 ? 0 : ((tt + t_lo) % tpp) * NT);
+    return (long long)blk * page + ((tt + t_lo) & ((1 << tpp_lg) - 1)) * NT;
   };
   auto issue = [&](int tt, long long row0) {
     if (tt < te) {
@@ -359,46 +356,55 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   static_assert(KSC * 32 == 4 * NTHREADS, "four content fragment entries per thread");
   float fv[FE][4][2];  // [entry][register a0..a3][half]: q, then q * qk_scale (0: padded head or no entry)
   float amax = 0.f;
-  const int esz = q_f32 ? 4 : 2;
-  const char *qn_row[2], *qp_row[2];  // [hr]: the rows of heads h0 + g + 8 hr (clamped; padded heads read as 0)
-#pragma unroll
-  for (int hr = 0; hr < 2; ++hr) {
-    const long long row = (long long)b * H + min(h0 + g + 8 * hr, H - 1);
-    qn_row[hr] = reinterpret_cast<const char*>(qn_ptr) + row * DC * esz;
-    qp_row[hr] = reinterpret_cast<const char*>(qp_ptr) + row * DR * esz;
-  }
-  auto q_pair = [&](int hr, int ch) -> float2 {  // q at channels ch, ch + 1 (ch even) of head g + 8 hr
-    if (h0 + g + 8 * hr >= H) return make_float2(0.f, 0.f);
-    const bool rope = ch >= DC;
-    const char* src = rope ? qp_row[hr] + (ch - DC) * esz : qn_row[hr] + ch * esz;
-    return q_f32 ? __ldg(reinterpret_cast<const float2*>(src))
-                 : __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&(const uint32_t&)ld_u32(src)));
-  };
-#pragma unroll
-  for (int e = 0; e < FE; ++e) {
-    const int ks = (tid + e * NTHREADS) >> 5;
-    const bool valid = ks < KS;  // warp-uniform
+  // (fp32 or bf16 q: two copies of the loads, each with its element size known)
+  auto load_q = [&](auto f32c) {
+    constexpr bool F32 = decltype(f32c)::value;
+    constexpr int ESZ = F32 ? 4 : 2;
+    const char *qn_row[2], *qp_row[2];  // [hr]: the rows of heads h0 + g + 8 hr (clamped; padded heads read 0)
+    bool live[2];
 #pragma unroll
     for (int hr = 0; hr < 2; ++hr) {
-      if (!valid) {
-        fv[e][hr][0] = fv[e][hr][1] = fv[e][hr + 2][0] = fv[e][hr + 2][1] = 0.f;
-      } else if (prot_split) {  // plain order: register (hr, hi) = channels 16 ks + 2t + 8 hi, + 1
+      const long long row = (long long)b * H + min(h0 + g + 8 * hr, H - 1);
+      live[hr] = h0 + g + 8 * hr < H;
+      qn_row[hr] = reinterpret_cast<const char*>(qn_ptr) + row * DC * ESZ;
+      qp_row[hr] = reinterpret_cast<const char*>(qp_ptr) + row * DR * ESZ;
+    }
+    auto pair = [&](int hr, bool rope, int c) -> float2 {  // q at channels c, c + 1 (c even) of one path
+      if (!live[hr]) return make_float2(0.f, 0.f);
+      const char* src = (rope ? qp_row[hr] : qn_row[hr]) + c * ESZ;
+      if constexpr (F32) return __ldg(reinterpret_cast<const float2*>(src));
+      const uint32_t u = ld_u32(src);
+      return __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u));
+    };
 #pragma unroll
-        for (int hi = 0; hi < 2; ++hi) {
-          const float2 v = q_pair(hr, 16 * ks + 2 * t + 8 * hi);
-          fv[e][hr + 2 * hi][0] = v.x;
-          fv[e][hr + 2 * hi][1] = v.y;
+    for (int e = 0; e < FE; ++e) {
+      const int ks = (tid + e * NTHREADS) >> 5;
+      const bool valid = ks < KS, rope = e >= 4;  // both warp-uniform
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        if (!valid) {
+          fv[e][hr][0] = fv[e][hr][1] = fv[e][hr + 2][0] = fv[e][hr + 2][1] = 0.f;
+        } else if (prot_split) {  // plain order: register (hr, hi) = channels 16 ks + 2t + 8 hi, + 1
+#pragma unroll
+          for (int hi = 0; hi < 2; ++hi) {
+            const float2 v = pair(hr, rope, 16 * ks + 2 * t + 8 * hi - (rope ? DC : 0));
+            fv[e][hr + 2 * hi][0] = v.x;
+            fv[e][hr + 2 * hi][1] = v.y;
+          }
+        } else {  // register (hr, hi) = slots (ch0 + hi, ch1 + hi)
+          const Slot sl = rope ? q_slot<true>(ks, t, 0) : q_slot<false>(ks, t, 0);
+          const int base = rope ? DC : 0;
+          const float2 v0 = pair(hr, rope, sl.ch0 - base), v1 = pair(hr, rope, sl.ch1 - base);
+          fv[e][hr][0] = v0.x;
+          fv[e][hr + 2][0] = v0.y;
+          fv[e][hr][1] = v1.x;
+          fv[e][hr + 2][1] = v1.y;
         }
-      } else {  // register (hr, hi) = slots (ch0 + hi, ch1 + hi)
-        const Slot sl = e < 4 ? q_slot<false>(ks, t, 0) : q_slot<true>(ks, t, 0);
-        const float2 v0 = q_pair(hr, sl.ch0), v1 = q_pair(hr, sl.ch1);
-        fv[e][hr][0] = v0.x;
-        fv[e][hr + 2][0] = v0.y;
-        fv[e][hr][1] = v1.x;
-        fv[e][hr + 2][1] = v1.y;
       }
     }
-  }
+  };
+  if (q_f32) load_q(IntC<1>{});
+  else load_q(IntC<0>{});
   int nxt[STAGES - 1];  // block-table entries of tiles tt+1 .. tt+STAGES-1, read a tile before they are needed
   if (!prot_split) {
     const int blk0 = tile_blk(tb);
