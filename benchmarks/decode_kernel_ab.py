@@ -1,0 +1,121 @@
+"""The CUDA decode kernel of the working tree against the one of another git revision, in one process.
+
+    PYTHONPATH=src python benchmarks/decode_kernel_ab.py --base REV|FILE [--batches 1,16,64]
+        [--contexts 4096,16384,65536] [--formats int4/int4,int2/int4] [--heads 16] [--out benchmarks/results]
+
+For each shape it fills one cache (decode_kernel.build), times the BF16 Triton kernel on a BF16 cache of the
+same shape, then `mla_decode_int.cu` as it was at REV (or as FILE holds it) and as it is now, through the same launcher (the source
+swapped under `mla_decode_cuda.SRC`), each checked against the fp64 reference (decode_kernel.check) and timed as
+decode_kernel.bench does (CUDA-graph replays, L2 flushed, median). A change's effect is measured on the same
+machine, caches and clocks, which a comparison across result files cannot promise. Writes
+decode_kernel_ab.{json,md} (--name changes the stem). Needs a GPU, nvcc, and git for a revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+
+def source_at(rev: str, path: Path) -> Path:
+    """The file at git revision rev, written to a temporary file."""
+    root = subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True, check=True).stdout.strip()
+    rel = path.resolve().relative_to(Path(root).resolve())
+    text = subprocess.run(["git", "show", f"{rev}:{rel.as_posix()}"], capture_output=True, text=True, cwd=root)
+    if text.returncode:
+        sys.exit(f"git show {rev}:{rel} failed: {text.stderr.strip()}")
+    out = Path(tempfile.mkdtemp()) / path.name
+    out.write_text(text.stdout)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--base", required=True,
+                    help="git revision whose mla_decode_int.cu is the baseline, or a path to such a file")
+    ap.add_argument("--batches", default="1,16,64")
+    ap.add_argument("--contexts", default="4096,16384,65536")
+    ap.add_argument("--formats", default="int4/int4,int2/int4")
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--rep", type=float, default=10, help="timed replays per row: about this many ms")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--name", default="decode_kernel_ab", help="results file stem")
+    args = ap.parse_args()
+
+    import torch
+    from decode_kernel import SCALE, bench, build, check, queries
+
+    from quantmla.kernels import mla_decode_cuda as mdc
+    from quantmla.kernels.mla_decode import mla_decode
+
+    current = mdc.SRC
+    base = Path(args.base) if os.path.isfile(args.base) else source_at(args.base, current)
+    variants = {"base": base, "current": current}
+    rows = []
+    head = f"{'B':>3} {'context':>7} {'format':>10} {'bf16 us':>8} {'base us':>8} {'x':>5} {'now us':>8} {'x':>5} {'now/base':>8}"
+    print(head)
+    for B in map(int, args.batches.split(",")):
+        for ctx in map(int, args.contexts.split(",")):
+            qn, qp = queries(B, args.heads)
+            cache, tables, lens, slots = build("bf16", B, ctx)
+            os.environ[mdc.ENV] = "triton"
+            t_bf16 = bench(lambda: mla_decode(qn, qp, cache, tables, lens, slots, SCALE, max_seq_len=ctx), args)
+            del cache
+            torch.cuda.empty_cache()
+            for fmt in args.formats.split(","):
+                cache, tables, lens, slots = build(fmt, B, ctx)
+                os.environ[mdc.ENV] = "cuda"
+                res = {}
+                for name, src in variants.items():
+                    mdc.SRC = src
+                    mdc._kernels.clear()  # built and loaded again from this source
+                    run = lambda: mla_decode(qn, qp, cache, tables, lens, slots, SCALE, max_seq_len=ctx)  # noqa: E731
+                    err = check(cache, tables, lens, slots, qn, qp, *run())
+                    res[name] = {"us": bench(run, args), "rms_err": err[0], "lse_err": err[1]}
+                mdc.SRC = current
+                mdc._kernels.clear()
+                del cache
+                torch.cuda.empty_cache()
+                b, c = res["base"]["us"], res["current"]["us"]
+                rows.append({"batch": B, "context": ctx, "format": fmt, "heads": args.heads, "bf16_us": t_bf16, **res})
+                print(f"{B:3d} {ctx:7d} {fmt:>10} {t_bf16:8.1f} {b:8.1f} {t_bf16 / b:5.2f} {c:8.1f} {t_bf16 / c:5.2f} "
+                      f"{b / c:8.3f}", flush=True)  # fmt: skip
+    meta = {
+        "card": torch.cuda.get_device_name(0),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python"] + sys.argv),
+        "base": args.base,
+        "torch": torch.__version__,
+    }
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    lines = [
+        "# The CUDA decode kernel: working tree against a base revision",
+        "",
+        f"Card: {meta['card']}. Date: {meta['date']}. torch {meta['torch']}. Command: `{meta['command']}`. "
+        f"{args.heads} heads, kv_lora_rank 512, rope 64, page 64; x = speed over the BF16 Triton kernel; "
+        "now/base > 1: the working tree is faster. Median of CUDA-graph replays, L2 flushed.",
+        "",
+        "| B | context | format | bf16 us | base us | x | now us | x | now/base |",
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        b, c = r["base"]["us"], r["current"]["us"]
+        lines.append(f"| {r['batch']} | {r['context']} | {r['format']} | {r['bf16_us']:.1f} | {b:.1f} | "
+                     f"{r['bf16_us'] / b:.2f} | {c:.1f} | {r['bf16_us'] / c:.2f} | {b / c:.3f} |")  # fmt: skip
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
