@@ -189,6 +189,18 @@ def test_loader_picks_the_ring_that_fits(monkeypatch, limit, want):
     assert mdc._kernel(torch.device("cuda", 0), cache) == got and len(fake.calls) == n  # kept
 
 
+@pytest.mark.parametrize("batch,length,want", [
+    (1, 4096, 16), (1, 16384, 32), (1, 65536, 64),  # the fastest measured (decode_kernel_splits.md, H200)
+    (4, 4096, 16), (4, 16384, 32), (4, 65536, 64),
+    (16, 4096, 8),  # 16 splits of 256 tokens would not fit one per SM: 512-token splits
+    (16, 16384, 15), (16, 65536, 15),  # one wave with a slot for each protected split (not 16: 17 * 16 > 264)
+    (64, 65536, 4),
+])  # fmt: skip
+def test_body_splits(batch, length, want):
+    assert mdc.body_splits(batch, 16, length, 132) == want
+    assert mdc.body_splits(batch, 16, length, 132, protected=False) >= want
+
+
 # --- the kernel on the GPU ------------------------------------------------------------------------------------
 
 if GPU:

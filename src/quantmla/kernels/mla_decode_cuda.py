@@ -33,6 +33,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import shutil
 import subprocess
@@ -251,19 +252,27 @@ def prepare(cache, device) -> None:
 
 
 def body_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, protected: bool = True,
-                ctas_per_sm: int = 2, min_split: int = 512, prot_tiles: int = 12) -> int:
-    """Splits of the quantized body per sequence, none shorter than min_split tokens (each split costs a
-    partial write and read). The body CTAs fill one wave of ctas_per_sm per SM. With protected rows, each
-    sequence also has a protected split: leaving a slot for it (one body split fewer) costs a longer body
-    split; not leaving one makes a few body CTAs start when the first protected splits end, about
-    prot_tiles tiles late (measured on the H200, benchmarks/results/decode_kernel_cuda_v2.md). The rule
-    takes whichever costs fewer tiles."""
+                ctas_per_sm: int = 2, prot_tiles: int = 12) -> int:
+    """Splits of the quantized body per sequence.
+
+    Each split costs a prologue (the q fragments) and a partial output to combine; fewer, longer splits leave
+    SMs idle. The balance point grows with the square root of the length, so a sequence gets about
+    sqrt(max_seq_len) / 4 splits, within one wave of ctas_per_sm blocks per SM, and none shorter than 512
+    tokens unless the batch's 256-token splits still fit one per SM (a short split pays for its prologue only
+    on an SM that would otherwise idle). On the H200 (benchmarks/results/decode_kernel_splits.md, 16 heads,
+    B = 1, 4, 16 at 4 K, 16 K, 64 K) this picks the fastest count measured in every cell.
+    With protected rows, each sequence also has a protected split: leaving a slot for it (one body split
+    fewer) costs a longer body split; not leaving one makes a few body CTAs start when the first protected
+    splits end, about prot_tiles tiles late (measured on the H200, decode_kernel_cuda_v2.md). The rule takes
+    whichever costs fewer tiles."""
+    length = max(max_seq_len, 1)
     ctas = batch * -(-num_heads // 16)
     fit = max(1, (num_sms * ctas_per_sm) // max(ctas, 1))
-    tiles = lambda n: -(-max(max_seq_len, 1) // (NT * n))  # noqa: E731
+    tiles = lambda n: -(-length // (NT * n))  # noqa: E731
     if protected and fit > 1 and tiles(fit - 1) - tiles(fit) <= prot_tiles:
         fit -= 1
-    return max(1, min(fit, -(-max(max_seq_len, 1) // min_split)))
+    shortest = 256 if ctas * -(-length // 256) <= num_sms else 512
+    return max(1, min(fit, math.ceil(math.sqrt(length) / 4), -(-length // shortest)))
 
 
 def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, *, max_seq_len: int,
