@@ -22,7 +22,7 @@ every batch size (1, 16, 64) and context (1K to 64K) (benchmarks/results/decode_
 heads it reads the cache once per 16 heads and is slower (decode_kernel_cuda_v3_128h.md).
 
 Build: nvcc -cubin for the device's architecture, one binary per (bits, dims, rope group, ring stages: 3, or 2
-where a block cannot hold the 3-stage ring's ~100 KB of shared memory; neither is an unsupported reason), cached on disk under
+where a block cannot hold the 3-stage ring's ~105 KB of shared memory; neither is an unsupported reason), cached on disk under
 $QUANTMLA_CACHE_DIR (default ~/.cache/quantmla/cuda), keyed by the source's hash and the options; loaded with the
 CUDA driver API through ctypes into the current (PyTorch's primary) context; launched on
 torch.cuda.current_stream(), so it is CUDA-graph capturable (build it once outside the capture).
