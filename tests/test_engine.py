@@ -478,6 +478,7 @@ def test_per_layer_clipped_formats_are_served_as_calibrated(tmp_path):
     llm = LLM(path, max_num_seqs=4, block_size=PAGE, prefill_chunk=16, kv_cache_bytes=1 << 22)
     assert [[str(c.content.fmt), str(c.rope.fmt)] for c in llm.runner.caches] == layers
     assert llm.stats()["format"] == " | ".join(f"{c}/{r}" for c, r in layers)  # what serve's startup line says
+    assert llm.stats()["decode_kernel"] == "reference"  # the CPU's decode: the torch oracle, every layer
     model = load_model(path)
     ids = prompts(model.config.vocab_size, (40, 70))
     got = [o.token_ids for o in llm.generate(ids, SamplingParams(max_tokens=NEW, ignore_eos=True))]
@@ -536,3 +537,15 @@ def test_per_layer_windows_bf16_layer_beside_quantized_ones(tmp_path):
     ids = prompts(model.config.vocab_size, (40, 70))
     got = [o.token_ids for o in llm.generate(ids, SamplingParams(max_tokens=NEW, ignore_eos=True))]
     assert got == [hf_greedy(model, p, NEW, served_quant_cache(model, p, llm.cache_config)) for p in ids]
+
+
+def test_decode_kernel_report(monkeypatch):
+    """stats()["decode_kernel"] names what each layer's decode runs: one name when all layers agree, else one
+    per layer (as on a GPU where some layers' formats have no CUDA kernel)."""
+    from quantmla.engine.model_runner import ModelRunner
+
+    picks = iter([["cuda", "cuda"], ["cuda", "triton"]])
+    monkeypatch.setattr(ModelRunner, "decode_kernels", lambda self: next(picks))
+    model = tiny_model("deepseek_v3")
+    assert LLM(model, max_num_seqs=2, kv_cache_bytes=1 << 20).stats()["decode_kernel"] == "cuda"
+    assert LLM(model, max_num_seqs=2, kv_cache_bytes=1 << 20).stats()["decode_kernel"] == "cuda | triton"

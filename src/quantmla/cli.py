@@ -464,7 +464,8 @@ def cmd_serve(args) -> None:
     s = llm.stats()
     console.print(f"KV pool: {s['pages_total']} pages = {s['capacity_tokens']} tokens ({s['format']}, "
                   f"{s['kv_cache_bytes'] / 2**20:.1f} MiB), up to {args.max_num_seqs} sequences of at most "
-                  f"{llm.max_model_len} tokens, on {llm.model.device}", soft_wrap=True)
+                  f"{llm.max_model_len} tokens, on {llm.model.device} (decode kernel: {s['decode_kernel']})",
+                  soft_wrap=True)
     console.print(f"serving {llm.model_name} at http://{args.host}:{args.port}/v1 (OpenAI API; also /health, "
                   f"/metrics)", soft_wrap=True)
     serve(llm, args.host, args.port)

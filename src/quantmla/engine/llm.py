@@ -146,8 +146,10 @@ class LLM:
         self._shared_gen = torch.Generator().manual_seed(0)
         self.counters = dict(steps=0, prefill_steps=0, decode_steps=0, tokens_generated=0, prompt_tokens=0,
                              prefill_tokens=0, peak_batch=0, time_prefill_s=0.0, time_decode_s=0.0)
-        log.info("KV pool: %d pages of %d tokens = %d tokens (%s), %.1f MiB", num_blocks, block_size,
-                 self.capacity_tokens, self.format_name, self.kv_cache_bytes / 2**20)
+        kernels = self.runner.decode_kernels()  # what each layer's decode runs (fixed by formats and device)
+        self.decode_kernel = " | ".join(kernels) if len(set(kernels)) > 1 else (kernels[0] if kernels else "")
+        log.info("KV pool: %d pages of %d tokens = %d tokens (%s), %.1f MiB; decode kernel: %s", num_blocks,
+                 block_size, self.capacity_tokens, self.format_name, self.kv_cache_bytes / 2**20, self.decode_kernel)
 
     @property
     def format_name(self) -> str:
@@ -308,5 +310,6 @@ class LLM:
             "kv_cache_bytes": self.kv_cache_bytes,
             "cuda_graphs": sorted(self.runner.graphs),
             "format": self.format_name,
+            "decode_kernel": self.decode_kernel,
             **self.counters,
         }

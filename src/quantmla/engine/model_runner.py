@@ -68,6 +68,15 @@ class ModelRunner:
         if cuda_graphs and self.device.type == "cuda":
             self._capture(graph_batch_sizes(max_num_seqs))
 
+    def decode_kernels(self) -> list[str]:
+        """Per MLA layer, the kernel a decode step runs: on a GPU `mla_decode`'s choice ("cuda", "triton" or
+        "gluon", `decode_kernel_name`), on the CPU "reference" (the torch oracle)."""
+        if self.device.type != "cuda":
+            return ["reference"] * len(self.caches)
+        from quantmla.kernels.mla_decode_cuda import decode_kernel_name
+
+        return [decode_kernel_name(c, layer.num_heads, self.device) for c, layer in zip(self.caches, self.layers)]
+
     def restore(self) -> None:
         """Put the model's own attention modules (and attention implementation) back; drop graphs and pools."""
         for layer in self.layers:
