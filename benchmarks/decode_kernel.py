@@ -204,6 +204,17 @@ def bench(fn, args) -> float:
     return times[n // 2] * 1e3
 
 
+def bf16_us(qn, qp, batch: int, ctx: int, args) -> float:
+    """Median time (us, as `bench`) of the BF16 Triton kernel over a full BF16 cache of this shape: the baseline
+    the other scripts' speed-ups are taken against. The cache is freed again."""
+    cache, tables, seq_lens, slots = build("bf16", batch, ctx)
+    os.environ[mdc.ENV] = "triton"
+    t = bench(lambda: mla_decode(qn, qp, cache, tables, seq_lens, slots, SCALE, max_seq_len=ctx), args)
+    del cache
+    torch.cuda.empty_cache()
+    return t
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy of 2 GiB, timed by triton's do_bench (a graph would turn it into a copy-engine
     memcpy node, slower than the copy kernel a plain launch runs). GB/s of bytes read + written."""

@@ -35,7 +35,7 @@ def main():
     args = ap.parse_args()
 
     import torch
-    from decode_kernel import SCALE, bench, build, check, ok, queries
+    from decode_kernel import SCALE, bench, bf16_us, build, check, ok, queries
 
     from quantmla.kernels import mla_decode_cuda as mdc
     from quantmla.kernels.mla_decode import mla_decode
@@ -47,11 +47,7 @@ def main():
     for B in map(int, args.batches.split(",")):
         for ctx in map(int, args.contexts.split(",")):
             qn, qp = queries(B, args.heads)
-            cache, tables, lens, slots = build("bf16", B, ctx)
-            os.environ[mdc.ENV] = "triton"
-            t_bf16 = bench(lambda: mla_decode(qn, qp, cache, tables, lens, slots, SCALE, max_seq_len=ctx), args)
-            del cache
-            torch.cuda.empty_cache()
+            t_bf16 = bf16_us(qn, qp, B, ctx, args)
             cache, tables, lens, slots = build(args.format, B, ctx)
             os.environ[mdc.ENV] = "cuda"
             wave = max(1, (2 * sms) // (B * -(-args.heads // 16)))  # one wave of blocks, as body_splits caps it
