@@ -1,11 +1,12 @@
 """The CUDA decode kernel of the working tree against the one of another git revision, in one process.
 
-    PYTHONPATH=src python benchmarks/decode_kernel_ab.py --base REV|FILE [--batches 1,16,64]
-        [--contexts 4096,16384,65536] [--formats int4/int4,int2/int4] [--heads 16] [--out benchmarks/results]
+    PYTHONPATH=src python benchmarks/decode_kernel_ab.py --base REV|FILE [--variant NAME=FILE ...]
+        [--batches 1,16,64] [--contexts 4096,16384,65536] [--formats int4/int4,int2/int4] [--heads 16]
+        [--out benchmarks/results]
 
 For each shape it fills one cache (decode_kernel.build), times the BF16 Triton kernel on a BF16 cache of the
-same shape, then `mla_decode_int.cu` as it was at REV (or as FILE holds it) and as it is now, through the same launcher (the source
-swapped under `mla_decode_cuda.SRC`), each checked against the fp64 reference (decode_kernel.check) and timed as
+same shape, then `mla_decode_int.cu` as it was at REV (or as FILE holds it), each --variant file, and the file as
+it is now, through the same launcher (the source swapped under `mla_decode_cuda.SRC`), each checked against the fp64 reference (decode_kernel.check) and timed as
 decode_kernel.bench does (CUDA-graph replays, L2 flushed, median). A change's effect is measured on the same
 machine, caches and clocks, which a comparison across result files cannot promise. Writes
 decode_kernel_ab.{json,md} (--name changes the stem). Needs a GPU, nvcc, and git for a revision.
@@ -45,6 +46,8 @@ def main():
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="4096,16384,65536")
     ap.add_argument("--formats", default="int4/int4,int2/int4")
+    ap.add_argument("--variant", action="append", default=[], metavar="NAME=FILE",
+                    help="another version of mla_decode_int.cu to time beside base and current (repeatable)")
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--rep", type=float, default=10, help="timed replays per row: about this many ms")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -59,9 +62,14 @@ def main():
 
     current = mdc.SRC
     base = Path(args.base) if os.path.isfile(args.base) else source_at(args.base, current)
-    variants = {"base": base, "current": current}
+    extra = dict(v.split("=", 1) for v in args.variant)
+    for name, path in extra.items():
+        if name in ("base", "current") or not os.path.isfile(path):
+            sys.exit(f"--variant {name}={path}: needs a name other than base / current and an existing file")
+    variants = {"base": base, **{k: Path(v) for k, v in extra.items()}, "current": current}
     rows = []
     head = f"{'B':>3} {'context':>7} {'format':>10} {'bf16 us':>8} {'base us':>8} {'x':>5} {'now us':>8} {'x':>5} {'now/base':>8}"
+    head += "".join(f" {name[:12]:>12}" for name in extra)
     print(head)
     for B in map(int, args.batches.split(",")):
         for ctx in map(int, args.contexts.split(",")):
@@ -84,12 +92,13 @@ def main():
                 b, c = res["base"]["us"], res["current"]["us"]
                 rows.append({"batch": B, "context": ctx, "format": fmt, "heads": args.heads, "bf16_us": t_bf16, **res})
                 print(f"{B:3d} {ctx:7d} {fmt:>10} {t_bf16:8.1f} {b:8.1f} {t_bf16 / b:5.2f} {c:8.1f} {t_bf16 / c:5.2f} "
-                      f"{b / c:8.3f}", flush=True)  # fmt: skip
+                      f"{b / c:8.3f}" + "".join(f" {b / res[n]['us']:12.3f}" for n in extra), flush=True)  # fmt: skip
     meta = {
         "card": torch.cuda.get_device_name(0),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python"] + sys.argv),
         "base": args.base,
+        "variants": extra,
         "torch": torch.__version__,
     }
     os.makedirs(args.out, exist_ok=True)
@@ -100,15 +109,17 @@ def main():
         "",
         f"Card: {meta['card']}. Date: {meta['date']}. torch {meta['torch']}. Command: `{meta['command']}`. "
         f"{args.heads} heads, kv_lora_rank 512, rope 64, page 64; x = speed over the BF16 Triton kernel; "
-        "now/base > 1: the working tree is faster. Median of CUDA-graph replays, L2 flushed.",
+        "now/base > 1: the working tree is faster; a variant's column is base us / its us. Median of CUDA-graph "
+        "replays, L2 flushed.",
         "",
-        "| B | context | format | bf16 us | base us | x | now us | x | now/base |",
-        "|---:|---:|---|---:|---:|---:|---:|---:|---:|",
+        "| B | context | format | bf16 us | base us | x | now us | x | now/base |" + "".join(f" {n}/base |" for n in extra),
+        "|---:|---:|---|---:|---:|---:|---:|---:|---:|" + "---:|" * len(extra),
     ]
     for r in rows:
         b, c = r["base"]["us"], r["current"]["us"]
         lines.append(f"| {r['batch']} | {r['context']} | {r['format']} | {r['bf16_us']:.1f} | {b:.1f} | "
-                     f"{r['bf16_us'] / b:.2f} | {c:.1f} | {r['bf16_us'] / c:.2f} | {b / c:.3f} |")  # fmt: skip
+                     f"{r['bf16_us'] / b:.2f} | {c:.1f} | {r['bf16_us'] / c:.2f} | {b / c:.3f} |"
+                     + "".join(f" {b / r[n]['us']:.3f} |" for n in extra))  # fmt: skip
     with open(os.path.join(args.out, f"{args.name}.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
 

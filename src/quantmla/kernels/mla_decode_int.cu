@@ -8,7 +8,8 @@
 // Per body tile:
 //   scores  warp w takes the two n8 tiles of token quarter w % 4 (each q fragment load feeds two mmas) over
 //           channel slice w / 4 of CS = NW / 4 (content groups and rope k steps split in halves at DC 512);
-//           with two slices, each warp hands the other the partial sums of the tile that one keeps:
+//           with two slices, each warp hands the other the partial sums of the tile that one keeps (a named
+//           barrier per pair of warps):
 //             S[16 heads, token] = 2^(6+e) Z + sum_g scale[t, g] 2^(24+e) acc_g      (fp32, log2 units)
 //           acc_g = mma chains in fp16 over the channels of scale group g. The B operand is the codes: one
 //           AND puts the code at bits [b, b + bits) of a 16-bit half into an fp16 subnormal worth
@@ -18,8 +19,9 @@
 //           ordered, so each thread's k slots are the codes of its own words (`q_slot` below).
 //           Z = sum_g zero[t, g] qsum_g 2^-6, one mma pair per kept n8 tile (zero fp16 exact; qsum 2^-6 as
 //           fp16 hi + lo; qsum = the sum of the effective q over the group, from the fragments' k steps).
-//   softmax P = 2^(S - m) against the running max m, the same in every warp; only a tile whose scores pass m + 16
-//           somewhere exchanges its max through shared memory (a barrier vote decides); P (bf16) to shared memory.
+//   softmax P = 2^(S - m) (bf16, to shared memory) against the running max m, the same in every warp; the
+//           barrier that publishes P votes, and only a tile whose scores pass m + 16 somewhere exchanges its max
+//           through shared memory, rescales and stores P again.
 //   values  warp w: O[16, 64 channels of group w] += P'_w . (128 + code) in bf16 with P'_w = P * scale[t, w]
 //           (codes by lop3 into the mantissa of bf16 128.0, exact; prmt pairs two tokens), corr += P'_w .
 //           (128 + mid) (an mma with a constant B: the same rounded P', so the offset cancels exactly), and
@@ -69,7 +71,6 @@ constexpr int CGB = 64 * CB / 8;         // bytes of one content group of one to
 constexpr int RGB = RG * RB / 8;         // bytes of one rope group of one token
 constexpr int WTC = CGB / 16;            // words of a content group per thread (4 threads per token)
 constexpr int WTR = RGB / 16;
-constexpr int PS = NT + 8;               // row stride (elements) of P
 constexpr int SZS = NT + 4;              // row stride of the [group][token] scale tables
 constexpr int ZS = 24;                   // row stride (halves) of the [token][group] zero table
 constexpr int CCH = NT * CROWB / 16;     // 16-byte chunks of a tile's content codes
@@ -98,10 +99,10 @@ struct Smem {
   uint4 qf[KS * 32];                // q A fragments [k step][lane] (body: fp16 q'; protected: bf16 q)
   float scf[2][NG * SZS];           // scores: scale * 2^(24+e), [group][token]
   alignas(16) __half zh[2][NT * ZS];  // scores: zero (fp16), [token][group]; groups >= NG stay 0
-  __nv_bfloat16 scb[2][NGC * SZS];  // values: scale (bf16), [group][token]
-  __nv_bfloat16 zch[2][NGC * SZS];  // values: zero + mid * scale, hi part
-  __nv_bfloat16 zcl[2][NGC * SZS];  //         and lo part
-  __nv_bfloat16 p[16 * PS];         // P of the tile, [head][token]
+  alignas(16) __nv_bfloat16 scb[2][NGC * SZS];  // values: scale (bf16), [group][vpos(token)]
+  alignas(16) __nv_bfloat16 zch[2][NGC * SZS];  // values: zero + mid * scale, hi part
+  alignas(16) __nv_bfloat16 zcl[2][NGC * SZS];  //         and lo part
+  uint4 pf[NT / 16][32];            // P of the tile (bf16) as the values' A fragments [k step][lane]
   float qsum[16][16];               // sum of the effective q' over each group [head][group]
   float mx[16][NW];                 // per-warp tile max per head
   float lsum[16][NW];
@@ -188,6 +189,9 @@ __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_grou
 template <int N>
 __device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
+// Named barrier id (1..15; __syncthreads is 0) over n threads (whole warps).
+__device__ __forceinline__ void bar_sync(int id, int n) { asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory"); }
+
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 
 __device__ __forceinline__ uint4 ld_u4(const void* p) { return __ldg(reinterpret_cast<const uint4*>(p)); }
@@ -260,6 +264,13 @@ __device__ __forceinline__ Slot q_slot(int ks, int t, int hi) {
   const int wi = grp * 4 * wt + t * wt + u;            // word of the token's row
   const int base = ROPE ? DC : 0;
   return Slot{base + (4 * wi + s) * cpb + j, base + (4 * wi + 2 + s) * cpb + j, bits * j};
+}
+
+// Where token tok of a tile sits in the values' [group][token] tables (bf16 scales and zero terms): within each
+// 16 tokens, token 2t + 8 hi + b at 4t + 2 hi + b, so that an MMA k step's four tokens of lane t (2t, 2t+1,
+// 2t+8, 2t+9) are one 8-byte word.
+__device__ __forceinline__ int vpos(int tok) {
+  return (tok & ~15) | ((tok & 6) << 1) | ((tok >> 2) & 2) | (tok & 1);
 }
 
 // ---- the kernel ----------------------------------------------------------------------------------------
@@ -519,8 +530,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
 
   // Softmax of this warp's scores x (NJ n8 tiles; rows g, g+8; columns 2t, 2t+1), P to shared memory. P is
   // taken against the running max m_i, the same in every warp, and may reach 2^MARGIN (bf16 and the fp32
-  // sums hold that easily): only a tile whose scores pass m_i + MARGIN somewhere (the first tile always)
-  // exchanges its max through shared memory and rescales the accumulators. A common tile costs one vote.
+  // sums hold that easily). P is stored first and the barrier that publishes it also votes: only a tile whose
+  // scores pass m_i + MARGIN somewhere (the first tile always) then exchanges its max through shared memory,
+  // rescales the accumulators and stores P again. A common tile costs one barrier.
   auto softmax = [&](float (&x)[NJ][4]) {
     constexpr float MARGIN = 16.f;
     float mloc[2] = {-INFINITY, -INFINITY};
@@ -529,6 +541,25 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       mloc[0] = fmaxf(mloc[0], fmaxf(x[j][0], x[j][1]));
       mloc[1] = fmaxf(mloc[1], fmaxf(x[j][2], x[j][3]));
     }
+    float ls[2];
+    uint32_t pk[NJ][2];
+    auto store_p = [&]() {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        ls[r] = 0.f;
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+          const float p0 = exp2f(x[j][2 * r] - m_i[r]), p1 = exp2f(x[j][2 * r + 1] - m_i[r]);
+          ls[r] += p0 + p1;
+          pk[j][r] = pack_bf16(p0, p1);
+        }
+      }
+      // n8 tile jt is half jt & 1 of values k step jt / 2: registers 2 (jt & 1) (row g) and + 1 (row g + 8)
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        reinterpret_cast<uint2*>(&sm.pf[(jt0 + j) >> 1][lane])[(jt0 + j) & 1] = make_uint2(pk[j][0], pk[j][1]);
+    };
+    store_p();
     if (__syncthreads_or(mloc[0] > m_i[0] + MARGIN || mloc[1] > m_i[1] + MARGIN)) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
@@ -558,29 +589,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       }
       corr[0] *= alpha[0]; corr[1] *= alpha[0]; corr[2] *= alpha[1]; corr[3] *= alpha[1];
       wacc[0] *= alpha[0]; wacc[1] *= alpha[0]; wacc[2] *= alpha[1]; wacc[3] *= alpha[1];
+      store_p();
+      __syncthreads();
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int h = g + 8 * r;
-      float ls = 0.f;
-#pragma unroll
-      for (int j = 0; j < NJ; ++j) {
-        const float p0 = exp2f(x[j][2 * r] - m_i[r]), p1 = exp2f(x[j][2 * r + 1] - m_i[r]);
-        ls += p0 + p1;
-        *reinterpret_cast<uint32_t*>(&sm.p[h * PS + 8 * (jt0 + j) + 2 * t]) = pack_bf16(p0, p1);
-      }
-      l_i[r] += ls;
-    }
-    __syncthreads();
+    l_i[0] += ls[0];
+    l_i[1] += ls[1];
   };
 
   // A fragment of P for tokens [16 ks, 16 ks + 16).
   auto p_frag = [&](int ks, uint32_t (&pa)[4]) {
-    const int k0 = 16 * ks + 2 * t;
-    pa[0] = *reinterpret_cast<const uint32_t*>(&sm.p[g * PS + k0]);
-    pa[1] = *reinterpret_cast<const uint32_t*>(&sm.p[(g + 8) * PS + k0]);
-    pa[2] = *reinterpret_cast<const uint32_t*>(&sm.p[g * PS + k0 + 8]);
-    pa[3] = *reinterpret_cast<const uint32_t*>(&sm.p[(g + 8) * PS + k0 + 8]);
+    const uint4 v = sm.pf[ks][lane];
+    pa[0] = v.x;
+    pa[1] = v.y;
+    pa[2] = v.z;
+    pa[3] = v.w;
   };
 
   if (!prot_split) {
@@ -599,11 +621,11 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         sm.scf[buf][G * SZS + sz_tok] = sc * ssc;
         sm.zh[buf][sz_tok * ZS + G] = __float2half_rn(z);
         if (k < 2) {
-          sm.scb[buf][G * SZS + sz_tok] = __float2bfloat16_rn(sc);
+          sm.scb[buf][G * SZS + vpos(sz_tok)] = __float2bfloat16_rn(sc);
           const float zc = z + mid * sc;
           const __nv_bfloat16 zhb = __float2bfloat16_rn(zc);
-          sm.zch[buf][G * SZS + sz_tok] = zhb;
-          sm.zcl[buf][G * SZS + sz_tok] = __float2bfloat16_rn(zc - __bfloat162float(zhb));
+          sm.zch[buf][G * SZS + vpos(sz_tok)] = zhb;
+          sm.zcl[buf][G * SZS + vpos(sz_tok)] = __float2bfloat16_rn(zc - __bfloat162float(zhb));
         }
       }
     };
@@ -654,7 +676,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         if (CS == 1 || w < NQ) slice(IntC<0>{});
         else slice(IntC<CS - 1>{});
         if constexpr (CS > 1) {
-          __syncthreads();  // the partial sums are in
+          bar_sync(1 + w % NQ, 64);  // the partner's partial sums are in (only the two warps of a quarter wait)
           const float4 o = sm.xu.xs[((w + NQ) % NW) * 32 + lane];
           s[0][0] = keep[0] + o.x; s[0][1] = keep[1] + o.y; s[0][2] = keep[2] + o.z; s[0][3] = keep[3] + o.w;
         }
@@ -678,23 +700,22 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
 #pragma unroll
       for (int ks = 0; ks < NT / 16; ++ks) {
         const int k0 = 16 * ks + 2 * t;  // this lane's tokens: k0, k0+1 (b0 / a01), k0+8, k0+9 (b1 / a23)
+        const int v0 = 16 * ks + 4 * t;  // their vpos: v0 .. v0 + 3
         uint32_t pa[4];
         p_frag(ks, pa);
         if (ks == w % NQ) {  // W: B column g = group g; warp w takes k step w % NQ, the hi and / or lo part
           const bool hi = CS == 1 || w < NQ, lo = CS == 1 || w >= NQ;
           if (hi) {
-            const uint32_t z0 = g < NGC ? *reinterpret_cast<const uint32_t*>(&sm.zch[buf][g * SZS + k0]) : 0u;
-            const uint32_t z1 = g < NGC ? *reinterpret_cast<const uint32_t*>(&sm.zch[buf][g * SZS + k0 + 8]) : 0u;
-            mma_bf16(wacc, pa, z0, z1);
+            const uint2 z = g < NGC ? *reinterpret_cast<const uint2*>(&sm.zch[buf][g * SZS + v0]) : make_uint2(0u, 0u);
+            mma_bf16(wacc, pa, z.x, z.y);
           }
           if (lo) {
-            const uint32_t z0 = g < NGC ? *reinterpret_cast<const uint32_t*>(&sm.zcl[buf][g * SZS + k0]) : 0u;
-            const uint32_t z1 = g < NGC ? *reinterpret_cast<const uint32_t*>(&sm.zcl[buf][g * SZS + k0 + 8]) : 0u;
-            mma_bf16(wacc, pa, z0, z1);
+            const uint2 z = g < NGC ? *reinterpret_cast<const uint2*>(&sm.zcl[buf][g * SZS + v0]) : make_uint2(0u, 0u);
+            mma_bf16(wacc, pa, z.x, z.y);
           }
         }
-        const uint32_t s0 = *reinterpret_cast<const uint32_t*>(&sm.scb[buf][w * SZS + k0]);
-        const uint32_t s1 = *reinterpret_cast<const uint32_t*>(&sm.scb[buf][w * SZS + k0 + 8]);
+        const uint2 sv = *reinterpret_cast<const uint2*>(&sm.scb[buf][w * SZS + v0]);
+        const uint32_t s0 = sv.x, s1 = sv.y;
         uint32_t a[4];
         a[0] = bmul2(pa[0], s0); a[1] = bmul2(pa[1], s0); a[2] = bmul2(pa[2], s1); a[3] = bmul2(pa[3], s1);
         mma_bf16(corr, a, KMID, KMID);
