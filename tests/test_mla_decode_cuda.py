@@ -279,6 +279,23 @@ def test_cuda_kernel_packed_rows():
     check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
 
 
+def test_ablations_apply_to_the_kernel_source():
+    """benchmarks/decode_kernel_ablate.py edits the kernel by text: every edit must still find its text (else it
+    would time the unchanged kernel), and the edited source must differ."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_kernel_ablate.py"
+    spec = importlib.util.spec_from_file_location("decode_kernel_ablate", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    src = mdc.SRC.read_text()
+    for name in mod.ABLATIONS:
+        assert mod.ablated(src, name) != src, name
+    with pytest.raises(SystemExit, match="no longer holds"):
+        mod.ablated(src.replace("store_sz(tt + 1);", "store_sz(tt+1);"), "scale staging")
+
+
 @needs_gpu
 def test_dispatch_and_refusals(monkeypatch):
     cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, [100], page=64, recent=128)
