@@ -342,7 +342,7 @@ def main():
                 # bf16 is the baseline: always the Triton kernel
                 for H, kern in [(h, k) for h in heads for k in (["triton"] if f == "bf16" else kernels)]:
                     qn, qp = queries(B, H)
-                    auto = mdc.decode_kernel_name(cache, H, qn.device)
+                    auto = mdc.decode_kernel_name(cache, H, qn.device, batch=B)
                     unsupported = {"gluon": mdg.unsupported_reason, "cuda": mdc.unsupported_reason}.get(kern)
                     why = unsupported and unsupported(cache, H, qn.device)
                     if why:

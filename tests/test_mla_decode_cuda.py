@@ -8,8 +8,10 @@ q . codes^T per scale group and P (128 + codes).
 """
 
 import contextlib
+import importlib.util
 import os
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -279,21 +281,46 @@ def test_cuda_kernel_packed_rows():
     check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
 
 
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def _benchmark(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
 def test_ablations_apply_to_the_kernel_source():
     """benchmarks/decode_kernel_ablate.py edits the kernel by text: every edit must still find its text (else it
     would time the unchanged kernel), and the edited source must differ."""
-    import importlib.util
-    from pathlib import Path
-
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "decode_kernel_ablate.py"
-    spec = importlib.util.spec_from_file_location("decode_kernel_ablate", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = _benchmark("decode_kernel_ablate")
     src = mdc.SRC.read_text()
     for name in mod.ABLATIONS:
         assert mod.ablated(src, name) != src, name
     with pytest.raises(SystemExit, match="no longer holds"):
         mod.ablated(src.replace("store_sz(tt + 1);", "store_sz(tt+1);"), "scale staging")
+
+
+def test_auto_batch_limit_by_heads():
+    """"auto" keeps the CUDA kernel for any batch up to 32 heads, and above that for batches of at most 32
+    16-head blocks (the kernel reads the cache once per 16 heads)."""
+    assert [mdc.auto_cuda_max_batch(h) for h in (1, 8, 16, 20, 32)] == [None] * 5
+    assert [mdc.auto_cuda_max_batch(h) for h in (33, 40, 64, 128, 129, 512, 513)] == [10, 10, 8, 4, 3, 1, 0]
+
+
+def test_auto_rule_scored_on_the_committed_grids():
+    """benchmarks/results/decode_kernel_auto.md is what the rule scores on the committed grids now (rerun
+    benchmarks/decode_kernel_auto.py after changing either), and the script counts a slower pick as a loss."""
+    mod = _benchmark("decode_kernel_auto")
+    grids = sorted(str(p) for p in (BENCHMARKS / "results").glob("decode_kernel_cuda_v4*.json"))
+    rows = mod.picks(mod.cells(grids))
+    wrong = [r for r in rows if r["loss"] > 0]
+    text = (BENCHMARKS / "results" / "decode_kernel_auto.md").read_text()
+    worst = max(r["loss"] for r in wrong)
+    assert f"{len(rows)} cells; auto picks the slower kernel in {len(wrong)}, losing at most {worst:.1%}." in text
+    (row,) = mod.picks({(128, 64, 4096, "int4/int4"): {"cuda": 1.2, "triton": 0.6}})
+    assert (row["auto"], row["faster"], row["loss"]) == ("triton", "cuda", 0.5)
 
 
 @needs_gpu
@@ -302,8 +329,11 @@ def test_dispatch_and_refusals(monkeypatch):
     dev = torch.device("cuda")
     monkeypatch.delenv(mdc.ENV, raising=False)
     assert mdc.decode_kernel_name(cache, 16, dev) == "cuda"  # where it measured faster
-    assert mdc.decode_kernel_name(cache, mdc.AUTO_CUDA_MAX_HEADS + 1, dev) == "triton"
-    assert mdc.decode_kernel_name(cache, 128, dev) == "triton"
+    assert mdc.decode_kernel_name(cache, 32, dev, batch=64) == "cuda"
+    assert mdc.decode_kernel_name(cache, 128, dev, batch=4) == "cuda"
+    assert mdc.decode_kernel_name(cache, 128, dev, batch=5) == "triton"
+    assert mdc.decode_kernel_name(cache, 64, dev, batch=8) == "cuda"
+    assert mdc.decode_kernel_name(cache, 128, dev) == "triton"  # any batch
     assert mdc.decode_kernel_name(cache, 16, torch.device("cpu")) == "triton"
     monkeypatch.setenv(mdc.ENV, "triton")
     assert mdc.decode_kernel_name(cache, 16, dev) == "triton"

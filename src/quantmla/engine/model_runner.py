@@ -49,6 +49,7 @@ class ModelRunner:
         self.block_size, self.max_model_len, self.prefill_chunk = block_size, max_model_len, prefill_chunk
         self.max_blocks = -(-max_model_len // block_size)
         self.scratch_block, self.scratch_slot = num_blocks, max_num_seqs
+        self.max_num_seqs = max_num_seqs
         self.step = StepContext()
         store_dtype = storage_dtype(next(model.parameters()).dtype, self.device)
         self.caches: list[PagedMLACache] = []
@@ -70,12 +71,17 @@ class ModelRunner:
 
     def decode_kernels(self) -> list[str]:
         """Per MLA layer, the kernel a decode step runs: on a GPU `mla_decode`'s choice ("cuda", "triton" or
-        "gluon", `decode_kernel_name`), on the CPU "reference" (the torch oracle)."""
+        "gluon", `decode_kernel_name`), or where that depends on the batch size, e.g. "cuda (batch <= 2) /
+        triton"; on the CPU "reference" (the torch oracle)."""
         if self.device.type != "cuda":
             return ["reference"] * len(self.caches)
-        from quantmla.kernels.mla_decode_cuda import decode_kernel_name
+        from quantmla.kernels.mla_decode_cuda import auto_cuda_max_batch, decode_kernel_name
 
-        return [decode_kernel_name(c, layer.num_heads, self.device) for c, layer in zip(self.caches, self.layers)]
+        names = []
+        for c, layer in zip(self.caches, self.layers):
+            one, most = (decode_kernel_name(c, layer.num_heads, self.device, batch=b) for b in (1, self.max_num_seqs))
+            names.append(one if one == most else f"{one} (batch <= {auto_cuda_max_batch(layer.num_heads)}) / {most}")
+        return names
 
     def restore(self) -> None:
         """Put the model's own attention modules (and attention implementation) back; drop graphs and pools."""

@@ -761,10 +761,11 @@ def mla_decode(
         sequence; default arange(B)), sm_scale: softmax scale.
     max_seq_len: an upper bound on seq_lens, used to size the split; pass it (no host sync) when capturing
         a CUDA graph; None reads seq_lens.max() (one sync).
-    Kernel: `decode_kernel_name` says which: this module's Triton kernel, or with $QUANTMLA_DECODE_KERNEL=cuda
-        the CUDA kernel of `mla_decode_cuda` (int4/int2 caches, few heads; "auto" picks it from 16K tokens on),
-        with $QUANTMLA_DECODE_KERNEL=gluon the Hopper kernel of `mla_decode_gluon` (INT4/INT4 channel groups of
-        64, 512/64 dims, H <= 16; opt-in, not yet measured); an explicit `config` always means Triton. num_splits: Triton's splits, or the CUDA kernel's body splits.
+    Kernel: `decode_kernel_name(cache, H, device, batch=B)` says which: this module's Triton kernel, the CUDA
+        kernel of `mla_decode_cuda` (int4/int2 caches; "auto" picks it where it measured faster, see
+        `auto_cuda_max_batch`; $QUANTMLA_DECODE_KERNEL=cuda forces it), or with $QUANTMLA_DECODE_KERNEL=gluon
+        the Hopper kernel of `mla_decode_gluon` (INT4/INT4 channel groups of 64, 512/64 dims, H <= 16; opt-in);
+        an explicit `config` always means Triton. num_splits: Triton's splits, or the CUDA kernel's body splits.
     Returns out [B, H, dc] in out_dtype (fp32 or bf16) and lse [B, H] fp32 (natural log; -inf if L = 0).
     """
     if triton is None:
@@ -776,7 +777,7 @@ def mla_decode(
     dev = q_nope_absorbed.device
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if B else 0
-    kernel = decode_kernel_name(cache, H, dev) if config is None else "triton"
+    kernel = decode_kernel_name(cache, H, dev, batch=B) if config is None else "triton"
     if kernel == "gluon":
         from quantmla.kernels import mla_decode_gluon as _gluon
 

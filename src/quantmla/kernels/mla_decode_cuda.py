@@ -14,12 +14,10 @@ What it takes (`unsupported_reason` says why not, and the Triton kernel then run
   - pools of whole contiguous rows (row strides may exceed the width, as in vLLM's packed rows), code rows
     16-byte aligned; scale and zero with one row stride.
   - kv_lora_rank 256 or 512 (one warp per 64-channel content group), at most 16 scale groups.
-Heads are processed 16 per CTA (padded): the kernel reads the cache once per 16 heads, so it is meant for
-H <= 16.
+Heads are processed 16 per CTA (padded): the kernel reads and dequantizes the cache once per 16 heads, so it
+is meant for few heads, or few sequences of many heads.
 
-"auto" picks it for H <= AUTO_CUDA_MAX_HEADS, where it measured faster than the Triton kernel on the H200 at
-every batch size (1, 16, 64) and context (1K to 64K) (benchmarks/results/decode_kernel_cuda_v3.md). At 128
-heads it reads the cache once per 16 heads and is slower (decode_kernel_cuda_v3_128h.md).
+"auto" picks it where it measured faster than the Triton kernel on the H200 (`auto_cuda_max_batch`).
 
 Build: nvcc -cubin for the device's architecture, one binary per (bits, dims, rope group, ring stages: 3, or 2
 where a block cannot hold the 3-stage ring's ~105 KB of shared memory; neither is an unsupported reason), cached on disk under
@@ -46,10 +44,20 @@ import torch
 SRC = Path(__file__).with_name("mla_decode_int.cu")
 NT = 64  # tokens per tile (a page must hold whole tiles)
 ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | gluon | auto
-# "auto" picks the CUDA kernel up to this many heads (it reads the cache once per 16 heads):
-# benchmarks/results/decode_kernel_cuda_v3.md, H200, 16 heads: faster than Triton's integer kernel at every
-# batch size and context measured; 128 heads: slower at B = 16 (decode_kernel_cuda_v3_128h.md).
-AUTO_CUDA_MAX_HEADS = 16
+# Where "auto" picks the CUDA kernel (H200, benchmarks/results/decode_kernel_cuda_v4*.md, B 1-64, 4-64 K, int4
+# and int2 content; benchmarks/decode_kernel_auto.py scores a rule on them): up to 32 heads it beat Triton's
+# integer kernel in every cell. Above that it reads and dequantizes the cache once per 16 heads, and wins while
+# the batch has few such head blocks; of the limits 4-128 blocks, 32 lost least on that grid (wrong in 13 of
+# 138 cells, by at most 10.5 %; the same grid picked it, nothing held out).
+AUTO_CUDA_MAX_HEADS = 32
+AUTO_CUDA_MAX_HEAD_BLOCKS = 32
+
+
+def auto_cuda_max_batch(num_heads: int) -> int | None:
+    """The largest batch for which "auto" picks the CUDA kernel at num_heads: None for any batch, 0 for none."""
+    if num_heads <= AUTO_CUDA_MAX_HEADS:
+        return None
+    return AUTO_CUDA_MAX_HEAD_BLOCKS // -(-num_heads // 16)
 
 
 def _int_bits(fmt) -> int | None:
@@ -97,13 +105,14 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
     return got if isinstance(got, str) else None
 
 
-def decode_kernel_name(cache, num_heads: int, device) -> str:
-    """Which kernel `mla_decode` runs for this cache, head count and device: "cuda", "gluon" or "triton".
+def decode_kernel_name(cache, num_heads: int, device, batch: int | None = None) -> str:
+    """Which kernel `mla_decode` runs for this cache, head count, device and batch size: "cuda", "gluon" or
+    "triton". batch None: the kernel that runs whatever the batch size ("triton" where it depends on it).
 
     $QUANTMLA_DECODE_KERNEL: "triton" always Triton; "cuda" the CUDA kernel (mla_decode raises if it cannot
     run); "gluon" the Hopper Gluon kernel of `mla_decode_gluon` (opt-in, never chosen by "auto"; raises
-    ValueError if it cannot run); "auto" (default) the CUDA kernel where it is supported and num_heads <=
-    AUTO_CUDA_MAX_HEADS (where it measured faster), else Triton. A cache
+    ValueError if it cannot run); "auto" (default) the CUDA kernel where it is supported and the batch is at
+    most `auto_cuda_max_batch(num_heads)` (where it measured faster), else Triton. A cache
     with a token-axis or a ranked path is always Triton's: the other kernels read neither token-axis scales
     nor partial rows."""
     choice = os.environ.get(ENV, "auto").lower()
@@ -115,7 +124,9 @@ def decode_kernel_name(cache, num_heads: int, device) -> str:
         return "triton"
     if choice in ("cuda", "gluon"):
         return choice
-    if num_heads <= AUTO_CUDA_MAX_HEADS and unsupported_reason(cache, num_heads, device) is None:
+    most = auto_cuda_max_batch(num_heads)
+    fits = most is None or (batch is not None and batch <= most)
+    if fits and unsupported_reason(cache, num_heads, device) is None:
         return "cuda"
     return "triton"
 
@@ -328,4 +339,4 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
     return out, lse
 
 
-__all__ = ["ENV", "body_splits", "decode_kernel_name", "mla_decode_cuda", "prepare", "unsupported_reason"]
+__all__ = ["ENV", "auto_cuda_max_batch", "body_splits", "decode_kernel_name", "mla_decode_cuda", "prepare", "unsupported_reason"]
