@@ -30,8 +30,8 @@ Measured per row: tokens the pool holds, preemptions, output tok/s and requests/
 time), TTFT (arrival -> first token) and TPOT ((last - first) / (n - 1)) median and p99, peak batch, and a
 time split: first prefill, re-prefill after preemption and decode, from timing every engine step. Within
 decode, a torch.profiler window of decode steps halfway through the headline run (kernels replayed from the
-CUDA graphs included) splits the GPU time into attention (`_mla_decode_kernel`, or `_gluon_decode_kernel`
-with $QUANTMLA_DECODE_KERNEL=gluon, + `_combine_kernel`), the new token's cache write (`_append_decode_kernel`,
+CUDA graphs included) splits the GPU time into attention (`_mla_decode_kernel`, the CUDA kernel `mla_decode_int`, or
+`_gluon_decode_kernel` with $QUANTMLA_DECODE_KERNEL=gluon, + `_combine_kernel`), the new token's cache write (`_append_decode_kernel`,
 where the engine uses it), GEMMs (the weights), sampling (argmax/top-k kernels) and other kernels, and the step's host time not covered by kernels (Python,
 launches). If the profiler sees no attention kernel in the CUDA-graph run, the kernel times come from an eager
 twin (same format and budget, cuda_graphs=False, the row's peak batch), are set against the CUDA-graph run's
@@ -377,7 +377,8 @@ def drive(llm: LLM, w: Workload, prompts: list[list[int]], limit_s: float, windo
 
 # --- the profile window -----------------------------------------------------------------------------------
 
-ATTENTION_KERNELS = ("_mla_decode_kernel", "_gluon_decode_kernel", "_combine_kernel")  # Triton / Gluon decode
+# Triton / CUDA (mla_decode_int.cu) / Gluon decode, and the split combine
+ATTENTION_KERNELS = ("_mla_decode_kernel", "mla_decode_int", "_gluon_decode_kernel", "_combine_kernel")
 CACHE_WRITE_KERNELS = ("_append_decode_kernel",)  # the fused quantize-and-store of the new token, when used
 CLASSES = ("attention", "cache_write", "weights", "sampling", "other_kernels")
 GEMM = re.compile(r"gemm|gemv|nvjet|xmma|cutlass|splitk|cublas|matmul", re.I)

@@ -87,6 +87,16 @@ def _ev(name, start, end, device=DeviceType.CUDA):
     return SimpleNamespace(name=name, device_type=device, time_range=SimpleNamespace(start=start, end=end))
 
 
+def test_every_decode_kernel_counts_as_attention():
+    """The profile's attention share covers each kernel mla_decode can run: Triton's, the CUDA kernel (its
+    extern "C" name in mla_decode_int.cu), Gluon's, and the split combine."""
+    cu = (ROOT / "src" / "quantmla" / "kernels" / "mla_decode_int.cu").read_text()
+    name = cu.split('__global__ void __launch_bounds__(NTHREADS, 2) ')[1].split("(")[0]
+    for kernel in ("_mla_decode_kernel", name, "_gluon_decode_kernel", "_combine_kernel"):
+        assert sp.kernel_class(kernel) == "attention", kernel
+    assert sp.kernel_class("_append_decode_kernel") == "cache_write"
+
+
 def test_window_analysis_splits_decode_steps():
     events = [
         _ev("qm_step_0", 0, 1000, DeviceType.CPU),  # decode
