@@ -188,3 +188,23 @@ def test_encoding_a_prefix_gives_the_same_first_tokens():
     for n in (1, 100, 1000):
         assert torch.equal(encode(text, tok, 300, max_tokens=n), full[:n])
     assert torch.equal(encode(text, None, 300, max_tokens=50), full.new_tensor(list(text[:50].encode())) % 300)
+
+
+def test_text_that_is_not_utf8_is_used_with_a_warning(tmp_path):
+    """A --data file with bytes that are not UTF-8 is read with those bytes replaced, and the user is told how
+    many and where the first one is; valid UTF-8 reads silently and exactly."""
+    import warnings
+
+    import pytest
+
+    from quantmla.data import read_text
+
+    good = tmp_path / "good.txt"
+    good.write_text("caf\u00e9 \ufffd ok", encoding="utf-8")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert read_text(good) == "caf\u00e9 \ufffd ok"
+    bad = tmp_path / "latin1.txt"
+    bad.write_bytes("caf\u00e9 na\u00efve".encode("latin-1"))
+    with pytest.warns(UserWarning, match=r"not UTF-8 \(first bad byte at offset 3\): 2 characters"):
+        assert read_text(bad) == "caf\ufffd na\ufffdve"

@@ -40,7 +40,14 @@ def read_text(path: str | Path | None, default: str = "calibration.txt") -> str:
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"text file not found: {path}")
-        text = path.read_text(encoding="utf-8", errors="replace")
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:  # use it, but say so: the replaced bytes change what is tokenized
+            text = raw.decode("utf-8", errors="replace")
+            warnings.warn(f"{path} is not UTF-8 (first bad byte at offset {e.start}): {text.count(chr(0xFFFD))} "
+                          "characters were replaced with U+FFFD; convert it to UTF-8 to use its text as written",
+                          stacklevel=2)
         if not text.strip():
             raise ValueError(f"text file is empty: {path}")
         return text

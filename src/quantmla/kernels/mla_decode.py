@@ -44,19 +44,10 @@ Kernel design (flash-decoding):
     bytes-per-group] view of the tile;
   - every shape is fixed by the launcher's arguments (batch, heads, max_seq_len), lengths are read on the
     device: no host syncs, no data-dependent allocations, safe to capture in a CUDA graph.
-Measured on an H200 (benchmarks/results/decode_kernel.md): the bf16 kernel streams at 93 % of the
-device-to-device copy bandwidth with 16 heads (B=16, 64K) and reaches ~285 TFLOP/s with 128 heads. The
-quantized kernels do not yet turn their 3.5x fewer bytes into time: INT4 runs at 0.85-0.9x the bf16
-kernel with 16 heads and 0.7-0.8x with 128. Nsight Compute (benchmarks/results/decode_kernel_ncu.md) puts
-INT4 at 16 heads at 78 SM cycles per cached token (bf16: 63; 2.8x would need 22.5) with DRAM 21 % busy:
-47.5 of those cycles are shared-memory wavefronts (the dequantized bf16 tile is stored once and read back
-by both products, every warp re-reads q), and 255 registers per thread leave 2 warps per scheduler to
-hide the latency of the rest. Bytes are not the limit (INT2 is no faster than INT4). Triton 3.6 cannot keep
-a computed tile out of shared memory for both products, and with 16 heads it issues mma.sync (wgmma needs
-64 rows), so every warp loads all of q for its slice of tokens; a FlashMLA-style kernel (q in shared
-memory for wgmma, codes dequantized straight into register fragments, producer warps for the loads) is the
-way past it. (Feeding the codes themselves to the tensor cores in Triton was slower still:
-benchmarks/decode_integer_domain.py.)
+Which kernel runs for a cache, head count and batch is `decode_kernel_name`'s choice: on a GPU the int4/int2
+caches mostly go to the CUDA kernel of `mla_decode_cuda`, which dequantizes into tensor-core register
+fragments instead of through a shared-memory tile (this kernel's limit). Measurements and profiles of both:
+docs/design.md, "Decode kernels", and benchmarks/results/decode_kernel*.md.
 """
 
 from __future__ import annotations
