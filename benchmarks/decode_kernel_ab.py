@@ -15,6 +15,7 @@ decode_kernel_ab.{json,md} (--name changes the stem). Needs a GPU, nvcc, and git
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -37,6 +38,21 @@ def source_at(rev: str, path: Path) -> Path:
     out = Path(tempfile.mkdtemp()) / path.name
     out.write_text(text.stdout)
     return out
+
+
+@contextlib.contextmanager
+def cuda_source(src: Path):
+    """Within: `mla_decode` builds and runs the CUDA kernel from `src` instead of the launcher's own source."""
+    from quantmla.kernels import mla_decode_cuda as mdc
+
+    current = mdc.SRC
+    mdc.SRC = src
+    mdc._kernels.clear()  # built and loaded again from this source
+    try:
+        yield
+    finally:
+        mdc.SRC = current
+        mdc._kernels.clear()
 
 
 def main():
@@ -80,13 +96,10 @@ def main():
                 os.environ[mdc.ENV] = "cuda"
                 res = {}
                 for name, src in variants.items():
-                    mdc.SRC = src
-                    mdc._kernels.clear()  # built and loaded again from this source
-                    run = lambda: mla_decode(qn, qp, cache, tables, lens, slots, SCALE, max_seq_len=ctx)  # noqa: E731
-                    err = check(cache, tables, lens, slots, qn, qp, *run())
-                    res[name] = {"us": bench(run, args), "rms_err": err[0], "lse_err": err[1]}
-                mdc.SRC = current
-                mdc._kernels.clear()
+                    with cuda_source(src):
+                        run = lambda: mla_decode(qn, qp, cache, tables, lens, slots, SCALE, max_seq_len=ctx)  # noqa: E731
+                        err = check(cache, tables, lens, slots, qn, qp, *run())
+                        res[name] = {"us": bench(run, args), "rms_err": err[0], "lse_err": err[1]}
                 del cache
                 torch.cuda.empty_cache()
                 b, c = res["base"]["us"], res["current"]["us"]

@@ -91,6 +91,7 @@ def main():
 
     import torch
     from decode_kernel import SCALE, bench, build, queries
+    from decode_kernel_ab import cuda_source
 
     from quantmla.kernels import mla_decode_cuda as mdc
     from quantmla.kernels.mla_decode import mla_decode
@@ -111,15 +112,12 @@ def main():
             folded = (tables % 64).contiguous()
 
             def timed(src, tab):
-                mdc.SRC = src
-                mdc._kernels.clear()  # built and loaded again from this source
-                return bench(lambda: mla_decode(qn, qp, cache, tab, lens, slots, SCALE, max_seq_len=ctx), args)
+                with cuda_source(src):
+                    return bench(lambda: mla_decode(qn, qp, cache, tab, lens, slots, SCALE, max_seq_len=ctx), args)
 
             t_full, t_l2 = timed(full, tables), timed(full, folded)
             row = {"batch": B, "context": ctx, "format": args.format, "heads": args.heads, "full_us": t_full,
                    "l2_resident_us": t_l2, "ablations": {n: timed(variants[n], tables) for n in names}}
-            mdc.SRC = full
-            mdc._kernels.clear()
             rows.append(row)
             print(f"B={B} context={ctx}: full {t_full:.1f} us, L2-resident {t_l2:.1f} us; "
                   + ", ".join(f"{n} {1 - t / t_full:+.1%}" for n, t in row["ablations"].items()), flush=True)

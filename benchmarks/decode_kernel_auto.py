@@ -5,7 +5,7 @@
 
 Reads the JSON of `benchmarks/decode_kernel.py` runs that timed both kernels (--kernels triton,cuda), and for
 every (heads, batch, context, format) they share prints both speeds over BF16, the faster kernel, the one
-`auto_cuda_max_batch` picks now, and what a wrong pick costs. No GPU needed: it re-reads measurements, so rerun
+"auto" picks now (`auto_prefers_cuda`), and what a wrong pick costs. No GPU needed: it re-reads measurements, so rerun
 it after a new grid or a new rule. Writes {name}.md and {name}.json.
 """
 
@@ -18,7 +18,7 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 
-from quantmla.kernels.mla_decode_cuda import auto_cuda_max_batch  # noqa: E402
+from quantmla.kernels.mla_decode_cuda import auto_prefers_cuda  # noqa: E402
 
 
 def cells(paths: list[str]) -> dict[tuple, dict[str, float]]:
@@ -36,8 +36,7 @@ def cells(paths: list[str]) -> dict[tuple, dict[str, float]]:
 def picks(table: dict[tuple, dict[str, float]]) -> list[dict]:
     rows = []
     for (h, b, ctx, fmt), x in table.items():
-        most = auto_cuda_max_batch(h)
-        pick = "cuda" if most is None or b <= most else "triton"
+        pick = "cuda" if auto_prefers_cuda(h, b) else "triton"
         best = max(x, key=x.get)
         rows.append({"heads": h, "batch": b, "context": ctx, "format": fmt, "cuda_x": x["cuda"],
                      "triton_x": x["triton"], "faster": best, "auto": pick, "loss": 1 - x[pick] / x[best]})

@@ -60,6 +60,13 @@ def auto_cuda_max_batch(num_heads: int) -> int | None:
     return AUTO_CUDA_MAX_HEAD_BLOCKS // -(-num_heads // 16)
 
 
+def auto_prefers_cuda(num_heads: int, batch: int | None) -> bool:
+    """Whether "auto" takes the CUDA kernel (where supported) at this head count and batch size; batch None:
+    for every batch size."""
+    most = auto_cuda_max_batch(num_heads)
+    return most is None or (batch is not None and batch <= most)
+
+
 def _int_bits(fmt) -> int | None:
     return {"int4": 4, "int2": 2}.get(fmt.kind)
 
@@ -124,9 +131,7 @@ def decode_kernel_name(cache, num_heads: int, device, batch: int | None = None) 
         return "triton"
     if choice in ("cuda", "gluon"):
         return choice
-    most = auto_cuda_max_batch(num_heads)
-    fits = most is None or (batch is not None and batch <= most)
-    if fits and unsupported_reason(cache, num_heads, device) is None:
+    if auto_prefers_cuda(num_heads, batch) and unsupported_reason(cache, num_heads, device) is None:
         return "cuda"
     return "triton"
 
@@ -339,4 +344,4 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
     return out, lse
 
 
-__all__ = ["ENV", "auto_cuda_max_batch", "body_splits", "decode_kernel_name", "mla_decode_cuda", "prepare", "unsupported_reason"]
+__all__ = ["ENV", "auto_cuda_max_batch", "auto_prefers_cuda", "body_splits", "decode_kernel_name", "mla_decode_cuda", "prepare", "unsupported_reason"]
