@@ -17,8 +17,8 @@ bandwidth measured here, TFLOP/s (2*H*L*(dc+dr) + 2*H*L*dc per sequence), the sp
 kernel, and a plain-torch decode (bf16 matmuls + fp32 softmax) on the dequantized, contiguous cache.
 
 --kernels: which decode kernels get rows: "triton" (quantmla.kernels.mla_decode's Triton kernel, with the
-tuned or default launch config) and/or "cuda" (quantmla.kernels.mla_decode_cuda, integer formats where it is
-supported) and/or "gluon" (quantmla.kernels.mla_decode_gluon, the
+tuned or default launch config) and/or "cuda" (quantmla.kernels.mla_decode_cuda, integer and fp8 formats where it
+is supported) and/or "gluon" (quantmla.kernels.mla_decode_gluon, the
 Hopper kernel for int4/int4 and few heads, where it is supported); the `kernel` column names it, `auto` says which one `mla_decode` itself would pick
 (`decode_kernel_name`). The speedup is always over the Triton bf16 kernel. --name: the results' file stem.
 

@@ -56,7 +56,7 @@ ABLATIONS = {
         [("      issue(tt + STAGES - 1, tile_row(tt + STAGES - 1, nxt[STAGES - 2]));", "      cp_commit();")]),
     "zero term": (
         "the two MMAs of the scores' zero term Z",
-        [("          mma_f16(z, sm.qzf[0][lane], zb0, zb1);\n          mma_f16(z, sm.qzf[1][lane], zb0, zb1);", "")]),
+        [("            mma_f16(z, sm.qzf[0][lane], zb0, zb1);\n            mma_f16(z, sm.qzf[1][lane], zb0, zb1);", "")]),
     "exp2": (
         "the softmax's exp2 (P = S - m instead)",
         [("          const float p0 = exp2f(x[j][2 * r] - m_i[r]), p1 = exp2f(x[j][2 * r + 1] - m_i[r]);",

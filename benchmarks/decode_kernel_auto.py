@@ -1,7 +1,7 @@
-"""How well "auto" picks between the CUDA and the Triton integer decode kernels, from measured grids.
+"""How well "auto" picks between the CUDA and the Triton decode kernels, from measured grids.
 
     python benchmarks/decode_kernel_auto.py benchmarks/results/decode_kernel_cuda_v4*.json \
-        [--out benchmarks/results --name decode_kernel_auto]
+        benchmarks/results/decode_kernel_cuda_fp8.json [--out benchmarks/results --name decode_kernel_auto]
 
 Reads the JSON of `benchmarks/decode_kernel.py` runs that timed both kernels (--kernels triton,cuda), and for
 every (heads, batch, context, format) they share prints both speeds over BF16, the faster kernel, the one

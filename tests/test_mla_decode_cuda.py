@@ -137,22 +137,115 @@ def test_fragment_maps_reproduce_the_products(CB, RB, DC, DR, RG):
         np.testing.assert_allclose(out, P @ (128 + vcodes[:, 64 * w:64 * w + 64]))
 
 
+def _q_slot_fp8(ks, t, hi, DC, DR, rope_bf16):  # = q_slot in mla_decode_int.cu for bits 8 (fp8) and 16 (bf16)
+    rope = ks >= DC // 16
+    kr = ks - DC // 16 if rope else ks
+    base = DC if rope else 0
+    if rope and rope_bf16:  # plain order
+        return base + 16 * kr + 2 * t + 8 * hi, base + 16 * kr + 2 * t + 8 * hi + 1
+    kpg = DR // 16 if rope else 4  # k steps of a group: the whole rope, or 64 content channels
+    kk, grp = kr % kpg, kr // kpg
+    wi = grp * 4 * kpg + t + 4 * kk  # word t + 4 kk of the group (kpg words per thread)
+    return base + 4 * wi + 2 * hi, base + 4 * wi + 2 * hi + 1
+
+
+def _byte_perm(x, y, sel):  # __byte_perm: byte i of the result is byte (sel >> 4 i) & 7 of (y:x)
+    both = x | y << 32
+    return sum(((both >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+
+
+@pytest.mark.parametrize("DC,DR,rope_bf16", [(512, 64, True), (512, 64, False), (256, 32, True), (256, 32, False)])
+def test_fp8_fragment_maps_reproduce_the_products(DC, DR, rope_bf16):
+    """The fp8 variant's maps, with a code standing for its e4m3 value (cvt.rn.f16x2.e4m3x2 turns the low / high
+    byte of 16 bits into the low / high fp16). Scores: the B operand of k step kk is word t + 4 kk of the
+    group (bytes 0, 1 and 2, 3), or for a bf16 rope the plain pairs 16 kk + 2t (+ 8); q at q_slot's channels.
+    Values: bytes 8 g + [0, 8) of group w for tokens k0, k0+1, k0+8, k0+9, paired by __byte_perm 0x5140 /
+    0x7362, give tile jn = channel 8 g + jn."""
+    rng = np.random.default_rng(1)
+    q = rng.integers(-4, 5, (16, DC + DR)).astype(float)
+    v = rng.integers(0, 256, (8, DC + DR))  # 8 tokens: the columns of one n8 tile
+    groups = [(DC // 16 + 0, DR // 16, DC, DR)] + [(4 * G, 4, 64 * G, 64) for G in range(DC // 64)]
+    for ks0, nk, c0, width in groups:
+        rope = ks0 >= DC // 16
+        acc = 0
+        for kk in range(nk):
+            A, B = [], []
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                A.append([(q[g + 8 * (r & 1), lo], q[g + 8 * (r & 1), hi])
+                          for r in range(4) for lo, hi in [_q_slot_fp8(ks0 + kk, t, r >> 1, DC, DR, rope_bf16)]])
+                if rope and rope_bf16:
+                    b = [c0 + 16 * kk + 2 * t, c0 + 16 * kk + 2 * t + 8]
+                    B.append([(v[g, b[0]], v[g, b[0] + 1]), (v[g, b[1]], v[g, b[1] + 1])])
+                else:
+                    wb = c0 + 4 * (t + 4 * kk)  # first channel (byte) of the word
+                    B.append([(v[g, wb], v[g, wb + 1]), (v[g, wb + 2], v[g, wb + 3])])
+            acc = acc + _mma(A, B)
+        S = q[:, c0:c0 + width] @ v[:, c0:c0 + width].T
+        np.testing.assert_allclose(acc, [[S[g, 2 * t], S[g, 2 * t + 1], S[g + 8, 2 * t], S[g + 8, 2 * t + 1]]
+                                         for g, t in (divmod(i, 4) for i in range(32))])  # fmt: skip
+    vb = rng.integers(0, 256, (16, DC))  # values: 16 tokens (k) of content bytes
+    P = rng.integers(0, 4, (16, 16)).astype(float)
+    Ap = [[(P[(lane >> 2) + 8 * (r & 1), 2 * (lane & 3) + 8 * (r >> 1)], P[(lane >> 2) + 8 * (r & 1), 2 * (lane & 3) + 8 * (r >> 1) + 1])
+           for r in range(4)] for lane in range(32)]  # fmt: skip
+    for w in range(DC // 64):
+        out = np.zeros((16, 64))
+        for jn in range(8):
+            h, qq, odd = jn // 4, (jn % 4) // 2, jn % 2
+            B = []
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                words = [int.from_bytes(bytes(vb[2 * t + (e & 1) + 8 * (e >> 1), 64 * w + 8 * g + 4 * h:][:4].astype(np.uint8)), "little")
+                         for e in range(4)]  # fmt: skip
+                sel = 0x7362 if qq else 0x5140
+                pair = [_byte_perm(words[0], words[1], sel), _byte_perm(words[2], words[3], sel)]
+                half = [(p >> (16 * odd)) & 0xFFFF for p in pair]  # e4m3x4_f16: lo (bytes 0, 1), hi (2, 3)
+                B.append([(hv & 0xFF, hv >> 8) for hv in half])
+            C = _mma(Ap, B)
+            for lane in range(32):
+                g, t = lane >> 2, lane & 3
+                out[g, 16 * t + jn], out[g, 16 * t + 8 + jn], out[g + 8, 16 * t + jn], out[g + 8, 16 * t + 8 + jn] = C[lane]
+        np.testing.assert_allclose(out, P @ vb[:, 64 * w:64 * w + 64])
+
+
+def test_format_support():
+    """Which formats have a CUDA variant (the device checks aside), and the reason named for those without."""
+    from quantmla.cache.paged import PagedMLACache
+    from quantmla.config import CacheConfig
+
+    def reason(c, r, dc=512, dr=64):
+        return mdc._fmt_reason(PagedMLACache.allocate(CacheConfig(c, r), dc, dr, 1, 1, block_size=64, device="meta"))
+
+    for fmts in [("int4", "int4"), ("int2", "int4:32"), ("fp8", "bf16"), ("fp8:0", "fp8:0"), ("fp8:64", "bf16"),
+                 ("fp8:512", "fp8:0")]:  # fmt: skip
+        assert reason(*fmts) is None, fmts
+    assert reason("fp8", "bf16", 256, 32) is None
+    for c, r, why in [("fp8:32", "bf16", "groups of 64"),
+                      ("fp8", "fp8:64", "fp8:0 or bf16"), ("fp8", "int4", "fp8:0 or bf16"), ("int8", "int4", "int4/int2"),
+                      ("int4", "bf16", "int4/int2"), ("bf16", "bf16", "int4/int2"), ("int4:32", "int4", "content group 64")]:  # fmt: skip
+        assert why in (reason(c, r) or ""), (c, r)
+    assert mdc._defines(PagedMLACache.allocate(CacheConfig("fp8", "bf16"), 512, 64, 1, 1, block_size=64, device="meta")) == {
+        "CB": 8, "RB": 16, "DC": 512, "DR": 64, "RG": 64, "CG": 128}
+
+
 # --- the loader, on the CPU through a fake driver ---------------------------------------------------------------
 
 
 class _FakeDriver:
-    """libcuda as `_load` uses it: the module publishes sizeof(Smem) (by stages), the device its opt-in limit."""
+    """libcuda as `_load` uses it: the module publishes sizeof(Smem) (by stages), the device its opt-in limit per
+    block (attribute 97), shared memory per SM (81, an H100's) and reserved per block (111)."""
 
-    def __init__(self, limit, smem):
-        self.limit, self.smem, self.calls, self.stages = limit, smem, [], None
+    def __init__(self, limit, smem, per_sm=233472):
+        self.attrs = {97: limit, 81: per_sm, 111: 1024}
+        self.smem, self.calls, self.stages = smem, [], None
 
     def __getattr__(self, name):
         def call(*a):
             self.calls.append(name)
             out = {"cuCtxGetCurrent": 1, "cuModuleLoadData": 11, "cuModuleGetFunction": 22, "cuCtxGetDevice": 0,
-                   "cuMemcpyDtoH_v2": self.smem[self.stages], "cuDeviceGetAttribute": self.limit}.get(name)  # fmt: skip
+                   "cuMemcpyDtoH_v2": self.smem[self.stages]}.get(name)  # fmt: skip
             if name == "cuDeviceGetAttribute":
-                assert a[1] == 97  # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+                out = self.attrs[a[1]]
             if out is not None:
                 a[0]._obj.value = out
             return 0
@@ -160,13 +253,20 @@ class _FakeDriver:
         return call
 
 
-@pytest.mark.parametrize("limit,want", [(232448, (22, 101376)), (100352, (22, 80896)), (49152, "49152")])
-def test_loader_picks_the_ring_that_fits(monkeypatch, limit, want):
-    """3 stages where they fit, else 2 (the 3-stage module unloaded), else a reason; kept once known."""
+@pytest.mark.parametrize("limit,smem,want", [
+    (232448, {3: 101376, 2: 80896}, (22, 101376)),  # two 3-stage blocks fit an SM
+    (100352, {3: 101376, 2: 80896}, (22, 80896)),  # a block cannot hold 3 stages
+    (232448, {3: 140288, 2: 95232}, (22, 95232)),  # it can, but two blocks per SM only with 2 (fp8's rows)
+    (232448, {3: 140288, 2: 120000}, (22, 140288)),  # two fit with neither: the deeper ring
+    (49152, {3: 101376, 2: 80896}, "49152"),
+])  # fmt: skip
+def test_loader_picks_the_ring_that_fits(monkeypatch, limit, smem, want):
+    """The deepest ring (3 or 2 stages) with which two blocks fit an SM, else the deepest that fits a block (a
+    3-stage module that does not is unloaded), else a reason; kept once known."""
     from quantmla.cache.paged import PagedMLACache
     from quantmla.config import CacheConfig
 
-    fake = _FakeDriver(limit, {3: 101376, 2: 80896})
+    fake = _FakeDriver(limit, smem)
 
     def build(defines, arch):
         fake.stages = defines["STAGES"]
@@ -186,7 +286,7 @@ def test_loader_picks_the_ring_that_fits(monkeypatch, limit, want):
             mdc.prepare(cache, torch.device("cuda", 0))
     else:
         assert got == want
-        assert fake.calls.count("cuModuleUnload") == (want[1] != 101376)
+        assert fake.calls.count("cuModuleUnload") == (smem[3] > limit)
     n = len(fake.calls)
     assert mdc._kernel(torch.device("cuda", 0), cache) == got and len(fake.calls) == n  # kept
 
@@ -230,6 +330,24 @@ def _run(fmts, H, lens=LENS, dc=512, dr=64, splits=None, odt=torch.float32, sink
 @pytest.mark.parametrize("H", [1, 8, 16])
 def test_cuda_kernel_matches_reference(fmts, H):
     _run(fmts, H)
+
+
+@needs_gpu
+@pytest.mark.parametrize("fmts", [("fp8", "bf16"), ("fp8:0", "fp8:0"), ("fp8:64", "bf16"), ("fp8:512", "fp8:0")])
+@pytest.mark.parametrize("H", [1, 16, 40])
+def test_cuda_kernel_fp8_matches_reference(fmts, H):
+    """The fp8 variant: FlashMLA's 656-byte row (fp8:128 + bf16 rope), vLLM's 576-byte row (fp8:0 on both),
+    other content groups; with and without protected rows."""
+    _run(fmts, H, odt=torch.bfloat16 if H == 40 else torch.float32)
+    _run(fmts, H, lens=[0, 5, 64, 65, 78, 79, 300, 1000], sink=0, recent=0, splits=3 if H == 16 else None)
+
+
+@needs_gpu
+def test_cuda_kernel_fp8_pages_and_dims():
+    """Pages of 2 tiles with a sink past the first tile; MiniCPM3's 256/32."""
+    _run(("fp8:0", "fp8:0"), 16, lens=[0, 5, 200, 1000], sink=70, recent=8, page=128, splits=3)
+    _run(("fp8", "bf16"), 16, dc=256, dr=32)
+    _run(("fp8:0", "fp8:0"), 20, dc=256, dr=32)
 
 
 @needs_gpu
@@ -313,7 +431,8 @@ def test_auto_rule_scored_on_the_committed_grids():
     """benchmarks/results/decode_kernel_auto.md is what the rule scores on the committed grids now (rerun
     benchmarks/decode_kernel_auto.py after changing either), and the script counts a slower pick as a loss."""
     mod = _benchmark("decode_kernel_auto")
-    grids = sorted(str(p) for p in (BENCHMARKS / "results").glob("decode_kernel_cuda_v4*.json"))
+    res = BENCHMARKS / "results"
+    grids = sorted(str(p) for p in res.glob("decode_kernel_cuda_v4*.json")) + [str(res / "decode_kernel_cuda_fp8.json")]
     rows = mod.picks(mod.cells(grids))
     wrong = [r for r in rows if r["loss"] > 0]
     text = (BENCHMARKS / "results" / "decode_kernel_auto.md").read_text()
@@ -340,7 +459,7 @@ def test_dispatch_and_refusals(monkeypatch):
     monkeypatch.setenv(mdc.ENV, "cuda")
     assert mdc.decode_kernel_name(cache, 128, dev) == "cuda"
     monkeypatch.setenv(mdc.ENV, "auto")
-    for fmts, page, why in [(("fp8", "bf16"), 64, "int4/int2"), (("int4:32", "int4"), 64, "content group"),
+    for fmts, page, why in [(("int8", "int4"), 64, "int4/int2"), (("int4:32", "int4"), 64, "content group"),
                             (("int4", "int4"), 32, "pages"), (("int4", "int4"), 192, "power of two"),
                             (("int4", "int2:32"), 64, "rope")]:  # fmt: skip
         c, *_ = fill(fmts, 512, 64 if fmts[1] != "int2:32" else 32, [100], page=page, recent=128)

@@ -45,7 +45,7 @@ Kernel design (flash-decoding):
   - every shape is fixed by the launcher's arguments (batch, heads, max_seq_len), lengths are read on the
     device: no host syncs, no data-dependent allocations, safe to capture in a CUDA graph.
 Which kernel runs for a cache, head count and batch is `decode_kernel_name`'s choice: on a GPU the int4/int2
-caches mostly go to the CUDA kernel of `mla_decode_cuda`, which dequantizes into tensor-core register
+and fp8 caches mostly go to the CUDA kernel of `mla_decode_cuda`, which dequantizes into tensor-core register
 fragments instead of through a shared-memory tile (this kernel's limit). Measurements and profiles of both:
 docs/design.md, "Decode kernels", and benchmarks/results/decode_kernel*.md.
 """

@@ -1,4 +1,4 @@
-"""CUDA decode kernel for few heads over the integer paged cache (`mla_decode_int.cu`), and its launcher.
+"""CUDA decode kernel for few heads over the integer or fp8 paged cache (`mla_decode_int.cu`), and its launcher.
 
 Same contract as `quantmla.kernels.mla_decode.mla_decode` (which calls `mla_decode_cuda` when
 `decode_kernel_name` says "cuda"): q_nope_absorbed [B, H, dc] and q_pe [B, H, dr] (bf16 or fp32), a
@@ -10,6 +10,9 @@ What it takes (`unsupported_reason` says why not, and the Triton kernel then run
   - content and rope both int4 or int2 (asymmetric: fp16 scale + zero per group of channels, not token-axis:
     `decode_kernel_name` gives those to Triton whatever $QUANTMLA_DECODE_KERNEL says), content group 64, rope group
     a multiple of 32 (int4) or 64 (int2) channels; dc a multiple of 256, dr * bits a multiple of 128;
+    or content fp8 (e4m3, an fp32 scale per group of 64 channels times a power of two, or group 0: none) with
+    rope fp8:0 or bf16 (FlashMLA's 656-byte row is fp8:128 + bf16; vLLM's 576-byte row fp8:0 + fp8:0), on a
+    device of compute capability >= 8.9 (cvt e4m3 -> fp16);
   - pages of 64 tokens times a power of two (64, 128, 256, ...); protected rows in bf16;
   - pools of whole contiguous rows (row strides may exceed the width, as in vLLM's packed rows), code rows
     16-byte aligned; scale and zero with one row stride.
@@ -19,8 +22,9 @@ is meant for few heads, or few sequences of many heads.
 
 "auto" picks it where it measured faster than the Triton kernel on the H200 (`auto_cuda_max_batch`).
 
-Build: nvcc -cubin for the device's architecture, one binary per (bits, dims, rope group, ring stages: 3, or 2
-where a block cannot hold the 3-stage ring's ~105 KB of shared memory; neither is an unsupported reason), cached on disk under
+Build: nvcc -cubin for the device's architecture, one binary per (formats, dims, groups, ring stages: the
+deepest of 3 and 2 with which two blocks fit an SM, as the kernel is built for, else the deepest one block
+holds; neither is an unsupported reason), cached on disk under
 $QUANTMLA_CACHE_DIR (default ~/.cache/quantmla/cuda), keyed by the source's hash and the options; loaded with the
 CUDA driver API through ctypes into the current (PyTorch's primary) context; launched on
 torch.cuda.current_stream(), so it is CUDA-graph capturable (build it once outside the capture).
@@ -67,8 +71,38 @@ def auto_prefers_cuda(num_heads: int, batch: int | None) -> bool:
     return most is None or (batch is not None and batch <= most)
 
 
-def _int_bits(fmt) -> int | None:
-    return {"int4": 4, "int2": 2}.get(fmt.kind)
+def _bits(cache) -> tuple[int, int] | None:
+    """(content, rope) as the kernel's CB / RB: int4 4, int2 2, fp8 (e4m3) 8, bf16 rope 16; None if unsupported."""
+    c, r = cache.content.fmt, cache.rope.fmt
+    ints = {"int4": 4, "int2": 2}
+    if c.kind == "fp8":
+        rope = {("fp8", 0): 8, ("bf16", 0): 16}.get((r.kind, r.group))
+        return None if rope is None else (8, rope)
+    return (ints[c.kind], ints[r.kind]) if c.kind in ints and r.kind in ints else None
+
+
+def _fmt_reason(cache) -> str | None:
+    """Why the kernel has no variant for these formats and dims, or None."""
+    c, r = cache.content.fmt, cache.rope.fmt
+    dc, dr = cache.kv_lora_rank, cache.rope_dim
+    if _bits(cache) is None:
+        return f"needs int4/int2 on both paths, or fp8 content with fp8:0 or bf16 rope; got {c}/{r}"
+    if dc not in (256, 512):
+        return f"needs kv_lora_rank 256 or 512 (one warp per 64-channel group), got {dc}"
+    if c.kind == "fp8":
+        if c.group % 64:  # (a group divides dc: the format checks that)
+            return f"needs fp8 content groups of 64 channels times a power of two, or 0; got {c.group}"
+        if dr % 16:
+            return f"needs rope dims in whole 16-channel steps, got {dr}"
+        return None
+    cb, rb = _bits(cache)
+    if c.group != 64:
+        return f"needs content group 64, got {c.group}"
+    rg = r.group
+    if dr % rg or rg % 16 or (rg * rb) % 128 or dc // 64 + dr // rg > 16:
+        return (f"needs rope groups of whole 16-channel steps and 16 bytes per token (got rope dims {dr}, group "
+                f"{rg}, {rb} bits) and at most 16 scale groups")
+    return None
 
 
 def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | None:
@@ -84,18 +118,10 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
         return "not a CUDA device"
     if torch.cuda.get_device_capability(device) < (8, 0):
         return "needs compute capability >= 8.0 (mma.sync bf16)"
-    cb, rb = _int_bits(cache.content.fmt), _int_bits(cache.rope.fmt)
-    if cb is None or rb is None:
-        return f"needs int4/int2 on both paths, got {cache.content.fmt.kind}/{cache.rope.fmt.kind}"
-    dc, dr = cache.kv_lora_rank, cache.rope_dim
-    cg, rg = cache.content.fmt.group, cache.rope.fmt.group
-    if cg != 64:
-        return f"needs content group 64, got {cg}"
-    if dc not in (256, 512):
-        return f"needs kv_lora_rank 256 or 512 (one warp per 64-channel group), got {dc}"
-    if dr % rg or rg % 16 or (rg * rb) % 128 or dc // 64 + dr // rg > 16:
-        return (f"needs rope groups of whole 16-channel steps and 16 bytes per token (got rope dims {dr}, group "
-                f"{rg}, {rb} bits) and at most 16 scale groups")
+    if (why := _fmt_reason(cache)) is not None:
+        return why
+    if cache.content.fmt.kind == "fp8" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "fp8 needs compute capability >= 8.9 (cvt e4m3 -> fp16)"
     tiles = cache.block_size // NT
     if cache.block_size % NT or tiles & (tiles - 1):
         return f"needs pages of {NT} tokens times a power of two, got {cache.block_size}"
@@ -186,7 +212,8 @@ def build_cubin(defines: dict[str, int], arch: str) -> bytes:
 
 _lib = None
 _lock = threading.Lock()
-_kernels: dict[tuple, tuple[int, int] | str] = {}  # (device, defines) -> (CUfunction, shared bytes) or why not
+_kernels: dict[tuple, tuple[int, int, bool] | str] = {}  # (device, defines) -> (CUfunction, shared bytes, two
+#                                                          blocks fit an SM) or why not
 
 
 def _cu():
@@ -204,9 +231,10 @@ def _check(res: int, what: str) -> None:
         raise RuntimeError(f"{what}: CUDA error {res} ({msg.value.decode() if msg.value else '?'})")
 
 
-def _load(idx: int, defines: dict[str, int]) -> tuple[int, int] | str:
-    """Build and load the kernel with these defines on device idx: (CUfunction, dynamic shared bytes), or why
-    it does not fit the device (its shared memory). Results are kept, failures too."""
+def _load(idx: int, defines: dict[str, int]) -> tuple[int, int, bool] | str:
+    """Build and load the kernel with these defines on device idx: (CUfunction, dynamic shared bytes, whether
+    two blocks fit an SM), or why it does not fit the device (its shared memory). Results are kept, failures
+    too."""
     key = (idx, tuple(sorted(defines.items())))
     with _lock:
         if key in _kernels:
@@ -229,35 +257,47 @@ def _load(idx: int, defines: dict[str, int]) -> tuple[int, int] | str:
             _check(cu.cuModuleGetGlobal_v2(ctypes.byref(gptr), ctypes.byref(gsize), mod, b"kSmemBytes"), "cuModuleGetGlobal")
             smem = ctypes.c_int()
             _check(cu.cuMemcpyDtoH_v2(ctypes.byref(smem), gptr, ctypes.c_size_t(4)), "cuMemcpyDtoH")
-            cudev, lim = ctypes.c_int(), ctypes.c_int()
+            cudev = ctypes.c_int()
             _check(cu.cuCtxGetDevice(ctypes.byref(cudev)), "cuCtxGetDevice")
-            _check(cu.cuDeviceGetAttribute(ctypes.byref(lim), 97, cudev), "cuDeviceGetAttribute")  # opt-in max
-            limit = lim.value
+
+            def attribute(num: int) -> int:
+                val = ctypes.c_int()
+                _check(cu.cuDeviceGetAttribute(ctypes.byref(val), num, cudev), "cuDeviceGetAttribute")
+                return val.value
+
+            limit = attribute(97)  # opt-in maximum per block
+            two = 2 * (smem.value + attribute(111)) <= attribute(81)  # (+ reserved per block) <= per SM
             if smem.value > limit:
                 _check(cu.cuModuleUnload(mod), "cuModuleUnload")
                 _kernels[key] = f"needs {smem.value} bytes of shared memory per block, the device allows {limit}"
                 return _kernels[key]
             _check(cu.cuFuncSetAttribute(fn, 8, smem.value), "cuFuncSetAttribute(max dynamic shared memory)")
-        _kernels[key] = (fn.value, smem.value)
+        _kernels[key] = (fn.value, smem.value, two)
         return _kernels[key]
 
 
 def _kernel(device: torch.device, cache) -> tuple[int, int] | str:
-    """The kernel for this cache on this device: the deepest cp.async ring (3, else 2 stages) whose shared
-    memory fits a block; or why none does."""
+    """The kernel for this cache on this device, (CUfunction, shared bytes): the deepest cp.async ring (3 or 2
+    stages) with which two blocks fit an SM (the kernel's launch bounds ask for two), else the deepest whose
+    shared memory fits one block; or why none does."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    why = ""
+    why, one = "", None
     for stages in (3, 2):
         got = _load(idx, {**_defines(cache), "STAGES": stages})
-        if not isinstance(got, str):
-            return got
-        why = got
-    return why
+        if isinstance(got, str):
+            why = why or got
+            continue
+        if got[2]:
+            return got[:2]
+        one = one or got[:2]
+    return one or why
 
 
 def _defines(cache) -> dict[str, int]:
-    return {"CB": _int_bits(cache.content.fmt), "RB": _int_bits(cache.rope.fmt), "DC": cache.kv_lora_rank,
-            "DR": cache.rope_dim, "RG": cache.rope.fmt.group}  # fmt: skip
+    cb, rb = _bits(cache)
+    c, r = cache.content.fmt, cache.rope.fmt
+    d = {"CB": cb, "RB": rb, "DC": cache.kv_lora_rank, "DR": cache.rope_dim, "RG": r.group if rb < 8 else cache.rope_dim}
+    return d | ({"CG": c.group} if cb == 8 else {})
 
 
 def prepare(cache, device) -> None:
@@ -325,16 +365,23 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
     plse = torch.empty(B, nst, H, dtype=torch.float32, device=dev)
     c, r = cache.content, cache.rope
     P = ctypes.c_void_p
+
+    def ptr(t):  # an absent scale / zero pool (fp8 has no zero; fp8:0 and bf16 no scale): null, never read
+        return P(0 if t is None else t.data_ptr())
+
+    def row(t):
+        return ctypes.c_longlong(0 if t is None else t.stride(1))
+
     args = [
         P(qn.data_ptr()), P(qp.data_ptr()), ctypes.c_int(qn.dtype == torch.float32),
-        P(c.codes.data_ptr()), P(c.scale.data_ptr()), P(c.zero.data_ptr()),
-        P(r.codes.data_ptr()), P(r.scale.data_ptr()), P(r.zero.data_ptr()),
+        P(c.codes.data_ptr()), ptr(c.scale), ptr(c.zero),
+        P(r.codes.data_ptr()), ptr(r.scale), ptr(r.zero),
         P(cache.protected_content.data_ptr()), P(cache.protected_rope.data_ptr()),
         P(bt.data_ptr()), ctypes.c_int(bt.stride(0)), P(lens.data_ptr()), P(slots.data_ptr()),
         P(po.data_ptr()), P(plse.data_ptr()),
         ctypes.c_int(H), ctypes.c_int(nsb), ctypes.c_int(nst), ctypes.c_float(sm_scale * LOG2E),
-        ctypes.c_longlong(c.codes.stride(1)), ctypes.c_longlong(c.scale.stride(1)),
-        ctypes.c_longlong(r.codes.stride(1)), ctypes.c_longlong(r.scale.stride(1)),
+        ctypes.c_longlong(c.codes.stride(1)), row(c.scale),  # code rows in bytes, scale rows in elements
+        ctypes.c_longlong(r.codes.stride(1) * r.codes.element_size()), row(r.scale),
         ctypes.c_int(cache.block_size), ctypes.c_int(cache.sink), ctypes.c_int(cache.window),
     ]  # fmt: skip
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])

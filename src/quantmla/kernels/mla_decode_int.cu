@@ -2,6 +2,8 @@
 // integer codes turned straight into tensor-core operand registers. Launcher and contract: mla_decode_cuda.py.
 //
 // Compile-time config (-D): CB, RB (content / rope bits: 4 or 2), DC, DR (dims), RG (rope group), STAGES.
+// fp8 variant (CB = 8: content e4m3 with an fp32 scale per CG channels, CG = 0: none; rope RB = 8: e4m3 without
+// scale, or RB = 16: bf16; RG = DR): see "fp8" below; the structure is the same.
 // Content groups are 64 channels. One CTA = (split, sequence, block of 16 heads) = NW = DC / 64 warps, one
 // per content group; tiles of NT = 64 tokens (one block-table entry each: a page holds whole tiles).
 //
@@ -31,6 +33,13 @@
 // L2 and read from global memory (clamped to a valid row: P = 0 drops the rest) with q in bf16, plain order.
 // Codes of body tiles are staged in shared memory by cp.async (STAGES deep); the scales and zeros of the next
 // tile are loaded into registers one tile ahead (branch-free) and converted when stored to shared memory.
+//
+// fp8 (CB = 8): e4m3 codes become fp16 by cvt.rn.f16x2.e4m3x2 (exact). Scores: the B operand is a thread's
+// words t + 4 u of the group's 16 (bank-conflict-free 4-byte reads), the A operand q' in fp16 with the slots in
+// the same order; S = 2^e sum_g scale[t, g] acc_g (no zero term); a bf16 rope (RB = 16) is a plain bf16 mma
+// chain with unscaled bf16 q. Values: O += (P scale[t, w]) . code in fp16 (P in fp16, so MARGIN is 8: P * scale
+// stays finite for scales < 2^7). Rows of an edge tile outside the valid positions are zeroed in shared memory
+// (e4m3 has NaN patterns; P = 0 does not cancel them).
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -51,11 +60,16 @@
 #ifndef RG
 #define RG 64
 #endif
+#ifndef CG
+#define CG 0  // fp8 content: channels per fp32 scale (0: one fixed scale of 1.0, nothing stored)
+#endif
 #ifndef STAGES
 #define STAGES 3  // shared-memory stages of codes (cp.async ring)
 #endif
 
 #define NT 64  // tokens per tile
+constexpr bool FP8 = CB == 8;            // the fp8 variant (content e4m3; rope e4m3 or bf16)
+constexpr bool RBF = RB == 16;           // bf16 rope (fp8 variant only)
 constexpr int NW = DC / 64;              // warps: one per content group
 constexpr int NTHREADS = 32 * NW;
 constexpr int NQ = NT / 16;              // token quarters (two n8 tiles) of a tile
@@ -77,17 +91,26 @@ constexpr int CCH = NT * CROWB / 16;     // 16-byte chunks of a tile's content c
 constexpr int RCH = NT * RROWB / 16;
 constexpr int SZT = NTHREADS / NT;      // threads per token in the scale / zero staging
 constexpr int NSZ = (NG + SZT - 1) / SZT;  // groups per thread there
+constexpr int NCS = CG ? DC / (CG ? CG : 1) : 0;   // fp8: stored content scales per token
+constexpr int NSF = (NCS + SZT - 1) / SZT;  // fp8: of them per thread in the staging
+constexpr int ZN = FP8 ? 8 : 1;          // fp8 needs no zero tables: one tiny row keeps the layout
+constexpr int CGS = CG ? CG : 64;        // fp8: channels per scale (a divisor that is never 0)
+// Rows of the scale tables: int, one per scale group (scores) and content group (values); fp8, one per stored
+// content scale. (fp8 leaves out what it does not use, so that two blocks of the 656-byte row fit an SM.)
+constexpr int NSR = FP8 ? (NCS > 0 ? NCS : 1) : NG;
+constexpr int NSB = FP8 ? (NCS > 0 ? NCS : 1) : NGC;
 constexpr uint32_t KMID = (0x4300u | (1u << (CB - 1))) * 0x00010001u;  // bf16x2 (128 + mid, 128 + mid)
 
 static_assert(DC == 256 || DC == 512, "kv_lora_rank 256 or 512 (one warp per 64-channel group)");
-static_assert(CB == 2 || CB == 4, "content bits");
-static_assert(RB == 2 || RB == 4, "rope bits");
+static_assert(CB == 2 || CB == 4 || CB == 8, "content bits");
+static_assert(FP8 ? (RB == 8 || RB == 16) && RG == DR : (RB == 2 || RB == 4), "rope bits (fp8 content: e4m3 or bf16 rope)");
+static_assert(!FP8 || CG == 0 || (CG % 64 == 0 && DC % (CG ? CG : 64) == 0), "fp8 content scale groups of whole 64-channel warps");
 static_assert(DR % RG == 0 && RG % 16 == 0 && RGB % 16 == 0, "rope group: whole words for 4 threads");
 static_assert(NG <= 16, "at most 16 scale groups (one k16 step of the zero term)");
 static_assert(NGC == 2 * SZT, "scale staging: two content groups per thread");
 static_assert((CS == 1 || CS == 2) && NGC % CS == 0 && KSR % CS == 0, "channel slices of the scores");
 static_assert(DC % 8 == 0 && DR % 8 == 0 && (2 * NT * ZS * 2) % 16 == 0, "16-byte staging");
-static_assert(CCH % NTHREADS == 0 && RCH <= NTHREADS, "cp.async chunks per thread");
+static_assert(CCH % NTHREADS == 0 && (RCH <= NTHREADS || RCH % NTHREADS == 0), "cp.async chunks per thread");
 
 struct Ring {
   uint8_t cc[STAGES][NT * CRS];     // content codes, token rows
@@ -97,16 +120,16 @@ struct Ring {
 struct Smem {
   Ring ring;                        // the code tiles
   uint4 qf[KS * 32];                // q A fragments [k step][lane] (body: fp16 q'; protected: bf16 q)
-  float scf[2][NG * SZS];           // scores: scale * 2^(24+e), [group][token]
-  alignas(16) __half zh[2][NT * ZS];  // scores: zero (fp16), [token][group]; groups >= NG stay 0
-  alignas(16) __nv_bfloat16 scb[2][NGC * SZS];  // values: scale (bf16), [group][vpos(token)]
-  alignas(16) __nv_bfloat16 zch[2][NGC * SZS];  // values: zero + mid * scale, hi part
-  alignas(16) __nv_bfloat16 zcl[2][NGC * SZS];  //         and lo part
+  float scf[2][NSR * SZS];          // scores: scale * 2^(24+e) (fp8: * 2^e), [group][token]
+  alignas(16) __half zh[2][FP8 ? ZN : NT * ZS];  // scores: zero (fp16), [token][group]; groups >= NG stay 0
+  alignas(16) uint16_t scb[2][NSB * SZS];  // values: scale (bf16; fp8: fp16), [group][vpos(token)]
+  alignas(16) __nv_bfloat16 zch[2][FP8 ? ZN : NGC * SZS];  // values: zero + mid * scale, hi part
+  alignas(16) __nv_bfloat16 zcl[2][FP8 ? ZN : NGC * SZS];  //         and lo part
   uint4 pf[NT / 16][32];            // P of the tile (bf16) as the values' A fragments [k step][lane]
-  float qsum[16][16];               // sum of the effective q' over each group [head][group]
+  float qsum[FP8 ? 1 : 16][16];     // sum of the effective q' over each group [head][group]
   float mx[16][NW];                 // per-warp tile max per head
   float lsum[16][NW];
-  uint4 qzf[2][32];                 // A fragments of qsum 2^-6 [head][group] as fp16, hi and lo part [lane]
+  uint4 qzf[2][FP8 ? 1 : 32];       // A fragments of qsum 2^-6 [head][group] as fp16, hi and lo part [lane]
   float red[NW];
   union {
     float4 xs[CS > 1 ? NW * 32 : 1];  // scores: the partial sums a slice hands to the other [warp][lane]
@@ -178,6 +201,21 @@ __device__ __forceinline__ uint32_t bmul2(uint32_t a, uint32_t b) {
   return *reinterpret_cast<uint32_t*>(&r);
 }
 
+__device__ __forceinline__ uint32_t hmul2(uint32_t a, uint32_t b) {
+  __half2 r = __hmul2(*reinterpret_cast<__half2*>(&a), *reinterpret_cast<__half2*>(&b));
+  return *reinterpret_cast<uint32_t*>(&r);
+}
+
+// The four e4m3 bytes of w -> fp16x2 (byte 0, byte 1) in lo and (byte 2, byte 3) in hi, exact (sm_89+).
+__device__ __forceinline__ void e4m3x4_f16(uint32_t w, uint32_t& lo, uint32_t& hi) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  asm("{.reg .b16 a, b;\n mov.b32 {a, b}, %2;\n cvt.rn.f16x2.e4m3x2 %0, a;\n cvt.rn.f16x2.e4m3x2 %1, b;}"
+      : "=r"(lo), "=r"(hi) : "r"(w));
+#else
+  lo = hi = 0u;  // the launcher never runs the fp8 variant below sm_89
+#endif
+}
+
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
@@ -238,6 +276,33 @@ __device__ __forceinline__ void group_scores(float (&s)[2][4], const uint8_t* rp
   }
 }
 
+// fp8: one run of NK k steps from k step KK0 of a group whose row starts at rp (token row rp, rp + 8 rows for
+// the lane's two n8 tiles; rp already at the lane's word t): k step kk is word t + 4 kk, i.e. byte 16 kk of rp,
+// its fp16 pairs (bytes 0, 1) and (2, 3) the B registers. Adds scale[tok] * acc (scp: [token] of the group, the
+// lane's tokens 2t, 2t+1 of each tile at scp, scp + 8) or, scp null, sfac * acc.
+__device__ __forceinline__ void fp8_group_scores(float (&s)[2][4], const uint8_t* rp, int tile_bytes, const uint4* qf,
+                                                 int kk0, int nk, const float* scp, float sfac) {
+  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+  for (int kk = 0; kk < nk; ++kk) {
+    const uint4 a = qf[32 * kk];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      uint32_t b0, b1;
+      e4m3x4_f16(*reinterpret_cast<const uint32_t*>(rp + j * tile_bytes + 16 * (kk0 + kk)), b0, b1);
+      mma_f16(acc[j], a, b0, b1);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const float2 sc = scp ? *reinterpret_cast<const float2*>(scp + 8 * j) : make_float2(sfac, sfac);
+    s[j][0] += sc.x * acc[j][0];
+    s[j][1] += sc.y * acc[j][1];
+    s[j][2] += sc.x * acc[j][2];
+    s[j][3] += sc.y * acc[j][3];
+  }
+}
+
 template <int N>
 struct IntC {
   static constexpr int value = N;
@@ -254,15 +319,21 @@ struct Slot {
 };
 template <bool ROPE>  // compile-time, so that the divisions below are shifts
 __device__ __forceinline__ Slot q_slot(int ks, int t, int hi) {
-  constexpr int bits = ROPE ? RB : CB, cpb = 8 / bits;
+  constexpr int bits = ROPE ? RB : CB, cpb = bits < 8 ? 8 / bits : 1;
   constexpr int kpg = ROPE ? RG / 16 : 4;              // k steps per group
   constexpr int wt = ROPE ? WTR : WTC;                 // words per thread per group
   const int kr = ROPE ? ks - KSC : ks;
   const int kk = kr % kpg, grp = kr / kpg;             // k step within the group, group
   const int r = 2 * kk + hi;                           // register of the group
+  const int base = ROPE ? DC : 0;
+  if constexpr (bits == 16)  // bf16 rope: plain order
+    return Slot{base + 16 * kr + 2 * t + 8 * hi, base + 16 * kr + 2 * t + 8 * hi + 1, 0};
+  if constexpr (bits == 8) {  // fp8: word t + 4 kk of the group, bytes (2 hi, 2 hi + 1)
+    const int wi = grp * 4 * wt + t + 4 * kk;
+    return Slot{base + 4 * wi + 2 * hi, base + 4 * wi + 2 * hi + 1, 0};
+  }
   const int u = r / (2 * cpb), s = (r / cpb) & 1, j = r % cpb;
   const int wi = grp * 4 * wt + t * wt + u;            // word of the token's row
-  const int base = ROPE ? DC : 0;
   return Slot{base + (4 * wi + s) * cpb + j, base + (4 * wi + 2 + s) * cpb + j, bits * j};
 }
 
@@ -329,8 +400,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
 #pragma unroll
       for (int i = 0; i < CCH / NTHREADS; ++i)
         cp_async16(dst + i * (NTHREADS / CPR) * CRS, src + i * (NTHREADS / CPR) * c_row);
-      if (tid < RCH)
-        cp_async16(dr + (tid / RPR) * RRS + 16 * (tid % RPR), rc_ptr + (row0 + tid / RPR) * r_row + 16 * (tid % RPR));
+#pragma unroll
+      for (int i = 0; i < (RCH + NTHREADS - 1) / NTHREADS; ++i) {
+        const int ch = tid + i * NTHREADS;
+        if (RCH % NTHREADS == 0 || ch < RCH)
+          cp_async16(dr + (ch / RPR) * RRS + 16 * (ch % RPR), rc_ptr + (row0 + ch / RPR) * r_row + 16 * (ch % RPR));
+      }
     }
     cp_commit();
   };
@@ -338,10 +413,18 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   // NGC = 2 SZT, slots 0 and 1 are content groups and the rest rope groups. Branch-free: a rope slot past
   // the last group loads group NGR - 1 and stores nothing; a tile past te loads rows of its page 0 and
   // stores into a buffer nobody reads.
+  // fp8: the NCS fp32 content scales of token tid % NT, groups tid / NT + k * SZT (k < NSF; none if CG = 0).
   __half ls_[NSZ], lz_[NSZ];
+  float lf_[NSF > 0 ? NSF : 1];
   const int sz_tok = tid % NT, sz_g0 = tid / NT;
   auto load_sz = [&](long long row0) {
     const long long row = row0 + sz_tok;
+    if constexpr (FP8) {
+      const float* cs = reinterpret_cast<const float*>(cs_ptr) + row * c_sz_row;
+#pragma unroll
+      for (int k = 0; k < NSF; ++k) lf_[k] = cs[min(sz_g0 + k * SZT, NCS - 1)];
+      return;
+    }
     const __half* cs = cs_ptr + row * c_sz_row + sz_g0;
     const __half* cz = cz_ptr + row * c_sz_row + sz_g0;
     const __half* rs = rs_ptr + row * r_sz_row;
@@ -395,10 +478,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       for (int hr = 0; hr < 2; ++hr) {
         if (!valid) {
           fv[e][hr][0] = fv[e][hr][1] = fv[e][hr + 2][0] = fv[e][hr + 2][1] = 0.f;
-        } else if (prot_split) {  // plain order: register (hr, hi) = channels 16 ks + 2t + 8 hi, + 1
+        } else if (prot_split || FP8) {  // register (hr, hi) = channels c, c + 1 (protected: c = 16 ks + 2t + 8 hi)
 #pragma unroll
           for (int hi = 0; hi < 2; ++hi) {
-            const float2 v = pair(hr, rope, 16 * ks + 2 * t + 8 * hi - (rope ? DC : 0));
+            const int c = prot_split ? 16 * ks + 2 * t + 8 * hi - (rope ? DC : 0)
+                                     : (rope ? q_slot<true>(ks, t, hi).ch0 - DC : q_slot<false>(ks, t, hi).ch0);
+            const float2 v = pair(hr, rope, c);
             fv[e][hr + 2 * hi][0] = v.x;
             fv[e][hr + 2 * hi][1] = v.y;
           }
@@ -441,7 +526,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     for (int r = 0; r < 4; ++r) {
       fv[e][r][0] *= qk_scale;
       fv[e][r][1] *= qk_scale;
-      amax = fmaxf(amax, fmaxf(fabsf(fv[e][r][0]), fabsf(fv[e][r][1])));
+      if (!(RBF && e >= 4)) amax = fmaxf(amax, fmaxf(fabsf(fv[e][r][0]), fabsf(fv[e][r][1])));  // fp16 entries
     }
   float qs = 1.f, sfac = 1.f;  // q' = q * qk_scale * qs (fp16); S multiplier 2^e = sfac
   if (!prot_split) {
@@ -466,9 +551,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     const int i = tid + e * NTHREADS, ks = i >> 5;
     if (ks >= KS) continue;  // warp-uniform
     uint32_t a[4];
-    if (prot_split) {
+    if (prot_split || (RBF && e >= 4)) {  // bf16, unscaled
 #pragma unroll
       for (int r = 0; r < 4; ++r) a[r] = pack_bf16(fv[e][r][0], fv[e][r][1]);
+    } else if constexpr (FP8) {  // fp16 q * qk_scale * qs
+#pragma unroll
+      for (int r = 0; r < 4; ++r) a[r] = pack_f16(fv[e][r][0] * qs, fv[e][r][1] * qs);
     } else {
       float part[2] = {0.f, 0.f};
 #pragma unroll
@@ -492,7 +580,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     }
     sm.qf[i] = make_uint4(a[0], a[1], a[2], a[3]);
   }
-  if (!prot_split) {
+  if (!prot_split && !FP8) {
     __syncthreads();
     for (int i = tid; i < 16 * 16; i += NTHREADS) {
       const int h = i >> 4, G = i & 15;
@@ -534,7 +622,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   // scores pass m_i + MARGIN somewhere (the first tile always) then exchanges its max through shared memory,
   // rescales the accumulators and stores P again. A common tile costs one barrier.
   auto softmax = [&](float (&x)[NJ][4]) {
-    constexpr float MARGIN = 16.f;
+    constexpr float MARGIN = FP8 ? 8.f : 16.f;
+    const bool p16 = FP8 && !prot_split;  // the fp8 body's values take P in fp16
     float mloc[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int j = 0; j < NJ; ++j) {
@@ -551,7 +640,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         for (int j = 0; j < NJ; ++j) {
           const float p0 = exp2f(x[j][2 * r] - m_i[r]), p1 = exp2f(x[j][2 * r + 1] - m_i[r]);
           ls[r] += p0 + p1;
-          pk[j][r] = pack_bf16(p0, p1);
+          pk[j][r] = p16 ? pack_f16(p0, p1) : pack_bf16(p0, p1);
         }
       }
       // n8 tile jt is half jt & 1 of values k step jt / 2: registers 2 (jt & 1) (row g) and + 1 (row g + 8)
@@ -612,6 +701,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       const int pos = (tt + t_lo) * NT + sz_tok;
       const bool ok = pos >= sink && pos < q_hi;
       const int buf = tt & 1;
+      if constexpr (FP8) {  // scores: scale * 2^e; values: fp16 scale
+#pragma unroll
+        for (int k = 0; k < NSF; ++k) {
+          const int G = sz_g0 + k * SZT;
+          if (NCS % SZT && G >= NCS) continue;
+          const float sc = ok ? lf_[k] : 0.f;
+          sm.scf[buf][G * SZS + sz_tok] = sc * sfac;
+          sm.scb[buf][G * SZS + vpos(sz_tok)] = __half_as_ushort(__float2half_rn(sc));
+        }
+        return;
+      }
       constexpr float mid = (float)(1 << (CB - 1));
 #pragma unroll
       for (int k = 0; k < NSZ; ++k) {
@@ -621,7 +721,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         sm.scf[buf][G * SZS + sz_tok] = sc * ssc;
         sm.zh[buf][sz_tok * ZS + G] = __float2half_rn(z);
         if (k < 2) {
-          sm.scb[buf][G * SZS + vpos(sz_tok)] = __float2bfloat16_rn(sc);
+          sm.scb[buf][G * SZS + vpos(sz_tok)] = __bfloat16_as_ushort(__float2bfloat16_rn(sc));
           const float zc = z + mid * sc;
           const __nv_bfloat16 zhb = __float2bfloat16_rn(zc);
           sm.zch[buf][G * SZS + vpos(sz_tok)] = zhb;
@@ -644,6 +744,17 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       const uint8_t* scc = sm.ring.cc[tt % STAGES];
       const uint8_t* src = sm.ring.rc[tt % STAGES];
       const int buf = tt & 1;
+      if constexpr (FP8) {  // an edge tile: rows outside [vlo, vhi) may hold e4m3 NaNs, which P = 0 would not cancel
+        if (vlo > 0 || vhi < NT) {
+          constexpr int CPR = CROWB / 16;
+          for (int i = tid; i < NT * CPR; i += NTHREADS) {
+            const int row = i / CPR;
+            if (row < vlo || row >= vhi)
+              *reinterpret_cast<uint4*>(sm.ring.cc[tt % STAGES] + row * CRS + 16 * (i % CPR)) = make_uint4(0u, 0u, 0u, 0u);
+          }
+          __syncthreads();
+        }
+      }
 
       // ---- scores: this warp's two n8 tiles (quarter w % NQ) over its channel slice; with two slices the
       // warps of a quarter hand each other the partial sums of the tile the other keeps (jt0)
@@ -654,6 +765,30 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         const int tq = 16 * (w % NQ);  // the quarter's first token
         auto slice = [&](auto csc) {
           constexpr int cs = decltype(csc)::value;
+          if constexpr (FP8) {
+#pragma unroll
+            for (int gi = 0; gi < NGC / CS; ++gi) {
+              const int G = cs * (NGC / CS) + gi;
+              fp8_group_scores(s, scc + (tq + g) * CRS + G * CGB + 4 * t, 8 * CRS, &sm.qf[4 * G * 32 + lane], 0, 4,
+                               CG ? &sm.scf[buf][(G * 64 / CGS) * SZS + tq + 2 * t] : nullptr, sfac);
+            }
+            constexpr int KSL = KSR / CS;
+            const int ks0 = cs * KSL;  // this slice's first rope k step
+            if constexpr (RBF) {  // bf16 rope: plain order, unscaled bf16 q, straight into s
+#pragma unroll
+              for (int kk = 0; kk < KSL; ++kk) {
+                const uint4 a = sm.qf[(KSC + ks0 + kk) * 32 + lane];
+#pragma unroll
+                for (int j = 0; j < 2; ++j) {
+                  const uint8_t* rp = src + (tq + g + 8 * j) * RRS + 32 * (ks0 + kk) + 4 * t;
+                  mma_bf16(s[j], a, *reinterpret_cast<const uint32_t*>(rp), *reinterpret_cast<const uint32_t*>(rp + 16));
+                }
+              }
+            } else {
+              fp8_group_scores(s, src + (tq + g) * RRS + 4 * t, 8 * RRS, &sm.qf[(KSC + ks0) * 32 + lane], ks0, KSL,
+                               nullptr, sfac);
+            }
+          } else {
 #pragma unroll
           for (int gi = 0; gi < NGC / CS; ++gi) {
             const int G = cs * (NGC / CS) + gi;
@@ -666,6 +801,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
             const int ks = cs * KSL + c * KC, G = ks / KPG;  // rope k step, rope group
             group_scores<RB, WTR>(s, src + (tq + g) * RRS + G * RGB + t * 4 * WTR, 8 * RRS,
                                   &sm.qf[(KSC + ks) * 32 + lane], ks % KPG, KC, &sm.scf[buf][(NGC + G) * SZS + tq + 2 * t]);
+          }
           }
           if constexpr (CS > 1) {
             sm.xu.xs[w * 32 + lane] = make_float4(s[1 - cs][0], s[1 - cs][1], s[1 - cs][2], s[1 - cs][3]);
@@ -684,10 +820,12 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         for (int j = 0; j < NJ; ++j) {
           const int n0 = 8 * (jt0 + j), tok = n0 + g;
           float z[4] = {0.f, 0.f, 0.f, 0.f};
-          const uint32_t zb0 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t]);
-          const uint32_t zb1 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t + 8]);
-          mma_f16(z, sm.qzf[0][lane], zb0, zb1);
-          mma_f16(z, sm.qzf[1][lane], zb0, zb1);
+          if constexpr (!FP8) {
+            const uint32_t zb0 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t]);
+            const uint32_t zb1 = *reinterpret_cast<const uint32_t*>(&sm.zh[buf][tok * ZS + 2 * t + 8]);
+            mma_f16(z, sm.qzf[0][lane], zb0, zb1);
+            mma_f16(z, sm.qzf[1][lane], zb0, zb1);
+          }
           const int c0 = n0 + 2 * t;
           const bool v0 = c0 >= vlo && c0 < vhi, v1 = c0 + 1 >= vlo && c0 + 1 < vhi;
           x[j][0] = v0 ? s[j][0] + zfac * z[0] : -INFINITY; x[j][1] = v1 ? s[j][1] + zfac * z[1] : -INFINITY;
@@ -703,6 +841,32 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
         const int v0 = 16 * ks + 4 * t;  // their vpos: v0 .. v0 + 3
         uint32_t pa[4];
         p_frag(ks, pa);
+        if constexpr (FP8) {  // O += (P scale) . code, fp16; byte jn of the lane's 8 is tile jn's column g
+          uint32_t a[4] = {pa[0], pa[1], pa[2], pa[3]};
+          if constexpr (CG > 0) {
+            const uint2 sv = *reinterpret_cast<const uint2*>(&sm.scb[buf][(w * 64 / CGS) * SZS + v0]);
+            a[0] = hmul2(pa[0], sv.x); a[1] = hmul2(pa[1], sv.x); a[2] = hmul2(pa[2], sv.y); a[3] = hmul2(pa[3], sv.y);
+          }
+          uint2 cw[4];  // tokens k0, k0+1, k0+8, k0+9: channels 64 w + 8 g + [0, 8)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            cw[e] = *reinterpret_cast<const uint2*>(scc + (k0 + (e & 1) + 8 * (e >> 1)) * CRS + w * CGB + 8 * g);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {  // channels 4 h .. 4 h + 3
+            const uint32_t t0 = h ? cw[0].y : cw[0].x, t1 = h ? cw[1].y : cw[1].x;
+            const uint32_t t2 = h ? cw[2].y : cw[2].x, t3 = h ? cw[3].y : cw[3].x;
+#pragma unroll
+            for (int q = 0; q < 2; ++q) {  // channel pair 4 h + 2 q, + 1: bytes (k0, k0+1) of each
+              const uint32_t sel = q ? 0x7362 : 0x5140;
+              uint32_t b0[2], b1[2];
+              e4m3x4_f16(__byte_perm(t0, t1, sel), b0[0], b0[1]);
+              e4m3x4_f16(__byte_perm(t2, t3, sel), b1[0], b1[1]);
+              mma_f16(o[4 * h + 2 * q], make_uint4(a[0], a[1], a[2], a[3]), b0[0], b1[0]);
+              mma_f16(o[4 * h + 2 * q + 1], make_uint4(a[0], a[1], a[2], a[3]), b0[1], b1[1]);
+            }
+          }
+          continue;
+        }
         if (ks == w % NQ) {  // W: B column g = group g; warp w takes k step w % NQ, the hi and / or lo part
           const bool hi = CS == 1 || w < NQ, lo = CS == 1 || w >= NQ;
           if (hi) {
@@ -823,7 +987,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     float wsum = 0.f;
 #pragma unroll
     for (int ww = 0; ww < NW; ++ww) wsum += sm.xu.wz[ww][h][w];
-    const float add = prot_split ? 0.f : wsum - corr[2 * r];
+    const float add = prot_split || FP8 ? 0.f : wsum - corr[2 * r];
     if (h0 + h < H) {
       float* dst = po_ptr + (prow + h0 + h) * DC + 64 * w + 16 * t;
       float v[16];
