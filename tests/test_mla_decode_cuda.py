@@ -379,21 +379,28 @@ def test_cuda_kernel_minicpm3_dims_and_more_heads():
 
 
 @needs_gpu
-def test_cuda_kernel_packed_rows():
-    """Pools whose rows are further apart than their width (fields of one packed row, as in vLLM)."""
-    cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, LENS, page=64, recent=128)
+@pytest.mark.parametrize("fmts,pads", [(("int4", "int4"), (48, 3, 80, 5)), (("fp8", "bf16"), (48, 3, 8, 0)),
+                                       (("fp8:0", "fp8:0"), (16, 0, 48, 0))])  # fmt: skip
+def test_cuda_kernel_packed_rows(fmts, pads):
+    """Pools whose rows are further apart than their width (fields of one packed row, as in vLLM). pads: extra
+    elements per row of (content codes, content scale / zero, rope codes, rope scale / zero); a bf16 rope row
+    of 72 elements is 144 bytes, 16-byte aligned."""
+    cache, table, seq_lens, slots, _, _ = fill(fmts, 512, 64, LENS, page=64, recent=128)
 
     def widen(t, pad):
+        if t is None:
+            return None
         buf = torch.full((*t.shape[:2], t.shape[2] + pad), 0x7F if t.dtype == torch.uint8 else float("nan"),
                          dtype=t.dtype, device=t.device)  # fmt: skip
         buf[..., : t.shape[2]] = t
         return buf[..., : t.shape[2]]
 
-    def path(p, pad):
-        return PagedPath(p.fmt, p.dim, widen(p.codes, 16 * pad), widen(p.scale, pad), widen(p.zero, pad))
+    def path(p, code_pad, sz_pad):
+        return PagedPath(p.fmt, p.dim, widen(p.codes, code_pad), widen(p.scale, sz_pad), widen(p.zero, sz_pad))
 
-    packed = replace(cache, content=path(cache.content, 3), rope=path(cache.rope, 5))
+    packed = replace(cache, content=path(cache.content, *pads[:2]), rope=path(cache.rope, *pads[2:]))
     assert packed.content.codes.stride(1) > packed.content.codes.shape[2]
+    assert mdc.unsupported_reason(packed, 16, torch.device("cuda")) is None
     qn, qp = queries(len(LENS), 16, 512, 64)
     out, lse = mdc.mla_decode_cuda(qn, qp, packed, table, seq_lens, slots, 0.05, max_seq_len=max(LENS))
     check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
@@ -496,9 +503,10 @@ def test_shared_memory_fallback(monkeypatch):
 
 
 @needs_gpu
-def test_cuda_kernel_graph_capture_and_replay():
+@pytest.mark.parametrize("fmts", [("int2", "int4"), ("fp8", "bf16")])
+def test_cuda_kernel_graph_capture_and_replay(fmts):
     lens = [200, 300, 1000]  # replayed lengths stay within what was written (unwritten rows are NaN)
-    cache, table, seq_lens, slots, _, _ = fill(("int2", "int4"), 512, 64, lens, page=64, recent=128)
+    cache, table, seq_lens, slots, _, _ = fill(fmts, 512, 64, lens, page=64, recent=128)
     qn, qp = (q.bfloat16() for q in queries(3, 16, 512, 64))
     lens_dev = seq_lens.clone()
     mdc.prepare(cache, qn.device)  # build and load outside the capture

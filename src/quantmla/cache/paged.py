@@ -88,7 +88,7 @@ class PagedPath:
         for t in self.tensors():
             if t.stride(-1) != 1 or t.stride(0) != t.shape[1] * t.stride(1):
                 return f"needs pools of whole contiguous rows, got strides {t.stride()}"
-        if self.codes.stride(1) % row_align or self.codes.data_ptr() % base_align:
+        if (self.codes.stride(1) * self.codes.element_size()) % row_align or self.codes.data_ptr() % base_align:
             return f"needs {row_align}-byte aligned code rows"
         if self.scale is not None and self.zero is not None and self.scale.stride(1) != self.zero.stride(1):
             return "needs the scale and zero pools to share a row stride"
