@@ -4,13 +4,15 @@
 
     PYTHONPATH=src python benchmarks/decode_kernel_ncu.py --gluon [--out ...]   # the Gluon kernel's cases
     PYTHONPATH=src python benchmarks/decode_kernel_ncu.py --cuda [--out ...]    # the CUDA kernel's cases
+    PYTHONPATH=src python benchmarks/decode_kernel_ncu.py --fp8 [--out ...]     # its fp8 variant's cases
 
 Runs itself under `ncu` (which must be on PATH) with one launch of the decode kernel per case — by default
 bf16 and int4/int4 at 16 and 128 heads, batch 16, 64K context, the launch configs `default_config` picks
 (Triton's `_mla_decode_kernel`); with --gluon the Triton bf16 and int4/int4 kernels and the Gluon one
 (`_gluon_decode_kernel`, $QUANTMLA_DECODE_KERNEL=gluon) at 16 heads, batch 16, 16K and 64K; with --cuda the
-Triton bf16 kernel and the CUDA one (`mla_decode_int`) at 16 heads, batch 16, 16K and 64K — and writes
-decode_kernel_ncu[_gluon|_cuda].json (every metric ncu returned) and decode_kernel_ncu.md: time, DRAM and SM
+Triton bf16 kernel and the CUDA one (`mla_decode_int`) at 16 heads, batch 16, 16K and 64K; with --fp8 the
+Triton bf16 kernel and the CUDA kernel on int4/int4, fp8/bf16 and fp8:0/fp8:0 at 16 heads, batch 16, 64K — and
+writes decode_kernel_ncu[_gluon|_cuda|_fp8].json (every metric ncu returned) and decode_kernel_ncu.md: time, DRAM and SM
 throughput, issue-slot use, warps per scheduler, shared-memory pipe use, tensor pipe use and the stall
 reasons (cycles per issued instruction), i.e. what the benchmark's times are made of.
 """
@@ -38,6 +40,13 @@ GLUON_CASES = [("bf16", 16, "triton", 16, 16384), ("int4/int4", 16, "triton", 16
                ("int4/int4", 16, "gluon", 16, 65536)]  # fmt: skip
 CUDA_CASES = [("bf16", 16, "triton", 16, 16384), ("int4/int4", 16, "cuda", 16, 16384),
               ("int4/int4", 16, "cuda", 16, 65536)]  # fmt: skip
+FP8_CASES = [("bf16", 16, "triton", 16, 65536), ("int4/int4", 16, "cuda", 16, 65536),
+             ("fp8/bf16", 16, "cuda", 16, 65536), ("fp8:0/fp8:0", 16, "cuda", 16, 65536)]  # fmt: skip
+CASE_SETS = {  # --NAME: (cases, results file stem); without one, CASES and "decode_kernel_ncu"
+    "gluon": (GLUON_CASES, "decode_kernel_ncu_gluon"),
+    "cuda": (CUDA_CASES, "decode_kernel_ncu_cuda"),
+    "fp8": (FP8_CASES, "decode_kernel_ncu_fp8"),
+}
 NCU_PATHS = ["/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/ncu"]
 SECTIONS = ["SpeedOfLight", "ComputeWorkloadAnalysis", "MemoryWorkloadAnalysis", "Occupancy", "SchedulerStats",
             "WarpStateStats", "LaunchStats"]  # fmt: skip
@@ -71,12 +80,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--from-json", metavar="FILE", help="rewrite the markdown table from a saved JSON profile")
-    ap.add_argument("--gluon", action="store_true", help="profile the Gluon kernel's cases (GLUON_CASES)")
-    ap.add_argument("--cuda", action="store_true", help="profile the CUDA kernel's cases (CUDA_CASES)")
+    sets = ap.add_mutually_exclusive_group()
+    for name, (cases, _) in CASE_SETS.items():
+        sets.add_argument(f"--{name}", action="store_true",
+                          help="profile these cases: " + "; ".join(f"{f} {h} heads {k} B={b} {c}" for f, h, k, b, c in cases))
     ap.add_argument("--cases", action="store_true", help=argparse.SUPPRESS)  # the process ncu profiles
     args = ap.parse_args()
-    cases, out_name = ((GLUON_CASES, "decode_kernel_ncu_gluon") if args.gluon else
-                       (CUDA_CASES, "decode_kernel_ncu_cuda") if args.cuda else (CASES, "decode_kernel_ncu"))  # fmt: skip
+    chosen = next((n for n in CASE_SETS if getattr(args, n)), None)
+    cases, out_name = CASE_SETS[chosen] if chosen else (CASES, "decode_kernel_ncu")
     if args.cases:
         return run_cases(cases)
     if args.from_json:
@@ -92,7 +103,7 @@ def main():
         cmd += ["--section", s]
     cmd += ["--metrics", ",".join([STALLS, PIPES, SHARED])]
     cmd += [sys.executable, os.path.abspath(__file__), "--cases"]
-    cmd += ["--gluon"] if args.gluon else ["--cuda"] if args.cuda else []
+    cmd += [f"--{chosen}"] if chosen else []
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     text = res.stdout
     start = text.find('"ID"')
