@@ -181,6 +181,36 @@ def test_chat_uses_the_fallback_template(served):
     assert body["usage"]["completion_tokens"] == len(want.token_ids)
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_a_list_of_prompts_gets_a_choice_each(served, streaming):
+    """OpenAI's batch form: prompt as a list of strings or of token-id lists; choice i answers prompt i (the
+    engine's greedy output of it alone), and the usage sums the prompts."""
+    ps = PROMPTS[:3]
+    want = [served.expected[p] for p in ps]
+    for prompt in (ps, [w.prompt_token_ids for w in want]):
+        body = {"prompt": prompt, "max_tokens": MAX_TOKENS, "temperature": 0}
+        if streaming:
+            *chunks, last = stream(served.client, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+            choices = [c for e in chunks for c in e["choices"]]
+            assert all(len(e["choices"]) == 1 for e in chunks) and len({e["id"] for e in chunks}) == 1
+            texts = ["".join(c["text"] for c in choices if c["index"] == i) for i in range(len(ps))]
+            reasons = {c["index"]: c["finish_reason"] for c in choices if c["finish_reason"]}
+            usage = last["usage"]
+        else:
+            r = served.client.post("/v1/completions", json=body)
+            assert r.status_code == 200, r.text
+            choices = r.json()["choices"]
+            assert [c["index"] for c in choices] == [0, 1, 2]
+            texts = [c["text"] for c in choices]
+            reasons = {c["index"]: c["finish_reason"] for c in choices}
+            usage = r.json()["usage"]
+        assert texts == [w.text for w in want]
+        assert reasons == {i: w.finish_reason for i, w in enumerate(want)}
+        n_prompt, n_out = sum(len(w.prompt_token_ids) for w in want), sum(len(w.token_ids) for w in want)
+        assert usage == {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+    assert served.wait_idle()["pages_used"] == 0
+
+
 @pytest.mark.parametrize("chat", [False, True])
 def test_streaming_equals_non_streaming(served, chat):
     path = "/v1/chat/completions" if chat else "/v1/completions"
@@ -255,7 +285,7 @@ BAD = [
     ("/v1/completions", "[1, 2]", 400, None, None),  # not an object
     ("/v1/completions", {}, 400, "prompt", None),
     ("/v1/completions", {"prompt": 3}, 400, "prompt", None),
-    ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": [["a"], ["b"]]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", None),
     ("/v1/completions", {"prompt": [300]}, 400, "prompt", None),
     ("/v1/completions", {"prompt": "x", "max_tokens": "many"}, 400, "max_tokens", None),
@@ -282,6 +312,9 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "max_tokens": 5000}, 400, "max_tokens", None),  # > the pool
     ("/v1/completions", {"prompt": "x", "max_tokens": True}, 400, "max_tokens", None),  # JSON types are strict
     ("/v1/completions", {"prompt": [True, False]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": ["x", 5]}, 400, "prompt", None),
+    ("/v1/completions", {"prompt": ["x"] * 257}, 400, "prompt", None),  # > MAX_PROMPTS
+    ("/v1/completions", {"prompt": ["x", "x" * 5000], "max_tokens": 1}, 400, "prompt", None),  # the 1st is aborted
     ("/v1/completions", {"prompt": "x", "stream": "yes"}, 400, "stream", None),
     ("/v1/completions", {"prompt": "x", "temperature": True}, 400, "temperature", None),
     ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "logprobs", None),  # not implemented: refused
@@ -301,8 +334,8 @@ BAD = [
 
 
 def test_error_messages_say_what_was_expected(served):
-    r = served.client.post("/v1/completions", json={"prompt": ["a", "b"]})
-    assert "one string or one list of token ids" in r.json()["error"]["message"]
+    r = served.client.post("/v1/completions", json={"prompt": [["a"], ["b"]]})
+    assert "a string, a list of token ids, or a list of either" in r.json()["error"]["message"]
     r = served.client.post("/v1/completions", data={"prompt": "x"})  # a form, as `curl -d` sends
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
 

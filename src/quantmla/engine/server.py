@@ -2,6 +2,9 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `"stream": true` as server-sent events,
 `data: {...}` chunks then `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text).
+/v1/completions also takes OpenAI's batch form, a list of prompts (strings or token-id lists, at most
+`MAX_PROMPTS`): each runs as its own engine request and answers in the choice of its index (a streamed chunk
+carries one choice); the usage sums them.
 
 Threads: the LLM is not thread-safe, so one thread (`EngineLoop`) owns it. Handlers on the asyncio loop hand
 it add/abort commands through a thread-safe queue; it runs `llm.step()` while any request is unfinished and
@@ -294,8 +297,20 @@ class _SamplingRequest(BaseModel):
                 raise APIError(400, f"{name} is not supported by this server (got {value!r})", name)
 
 
+MAX_PROMPTS = 256  # prompts in one /v1/completions request (OpenAI's batch form)
+
+
 class CompletionRequest(_SamplingRequest):
-    prompt: str | list[StrictInt]
+    prompt: str | list[StrictInt] | list[str] | list[list[StrictInt]]
+
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one for a string or a list of token ids, else each item of the list (each
+        gets its own choice, index = its place)."""
+        one = isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int)
+        prompts = [self.prompt] if one else self.prompt
+        if len(prompts) > MAX_PROMPTS:
+            raise APIError(400, f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+        return prompts
 
 
 class TextPart(BaseModel):
@@ -433,6 +448,52 @@ class Server:
             raise APIError(400, str(e), getattr(e, "param", "prompt")) from None
         return _Job(request_id, len(prompt_ids), outputs, TextStream(self.tokenizer, stop))
 
+    async def start_all(self, prompts: list[list[int]], params: SamplingParams, stop: tuple[str, ...],
+                        prefix: str) -> list[_Job]:
+        """`start` for each prompt, in order; if one is refused, the ones already accepted are aborted."""
+        jobs: list[_Job] = []
+        try:
+            for ids in prompts:
+                jobs.append(await self.start(ids, params, stop, prefix))
+        except BaseException:
+            self.abort_all(jobs)
+            raise
+        return jobs
+
+    def abort_all(self, jobs: list[_Job]) -> None:
+        for job in jobs:
+            self.engine.abort(job.request_id)
+
+    async def merged(self, jobs: list[_Job], request: Request) -> AsyncIterator[tuple[int, Chunk]]:
+        """(index, chunk) of each job's `chunks` as they come. An exception from any job ends the whole with
+        that exception; ending early (or failing) cancels the rest, whose `chunks` then abort them."""
+        queue: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(i: int, job: _Job):
+            try:
+                async for c in self.chunks(job, request):
+                    await queue.put((i, c))
+            except Exception as e:  # noqa: BLE001  (handed to the consumer)
+                await queue.put((i, e))
+            finally:
+                await queue.put((i, done))
+
+        tasks = [asyncio.create_task(pump(i, job)) for i, job in enumerate(jobs)]
+        try:
+            left = len(tasks)
+            while left:
+                i, item = await queue.get()
+                if item is done:
+                    left -= 1
+                elif isinstance(item, Exception):
+                    raise item
+                else:
+                    yield i, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
     async def chunks(self, job: _Job, request: Request) -> AsyncIterator[Chunk]:
         """The output of an accepted request, piece by piece. Aborts it in the engine when it stops early
         (a stop string, the client going away, cancellation), so its pages are freed at once."""
@@ -468,40 +529,42 @@ class Server:
             if not engine_done:
                 self.engine.abort(job.request_id, "stop" if job.text.stopped else "abort")
 
-    def usage(self, job: _Job) -> dict:
-        completion = len(job.text.token_ids)
-        return {"prompt_tokens": job.prompt_tokens, "completion_tokens": completion,
-                "total_tokens": job.prompt_tokens + completion}
+    def usage(self, jobs: list[_Job]) -> dict:
+        prompt = sum(job.prompt_tokens for job in jobs)
+        completion = sum(len(job.text.token_ids) for job in jobs)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj)}\n\n"
 
 
-def _choice(text: str, reason: str | None, chat: bool, stream: bool) -> dict:
+def _choice(index: int, text: str, reason: str | None, chat: bool, stream: bool) -> dict:
     if not chat:
         body = {"text": text}
     elif stream:
         body = {"delta": {"content": text} if text else {}}
     else:
         body = {"message": {"role": "assistant", "content": text}}
-    return {"index": 0, **body, "logprobs": None, "finish_reason": reason}
+    return {"index": index, **body, "logprobs": None, "finish_reason": reason}
 
 
-async def _respond(server: Server, req: _SamplingRequest, job: _Job, request: Request, chat: bool):
-    """The OpenAI response for an accepted job: a JSON body, or an SSE stream when req.stream."""
-    head = {"id": job.request_id, "object": "chat.completion" if chat else "text_completion",
+async def _respond(server: Server, req: _SamplingRequest, jobs: list[_Job], request: Request, chat: bool):
+    """The OpenAI response for accepted jobs (one per prompt; choice i is job i): a JSON body, or an SSE
+    stream when req.stream. The response's id is the first job's."""
+    head = {"id": jobs[0].request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": server.model_name}
     if not req.stream:
-        text, reason = [], None
+        texts: list[list[str]] = [[] for _ in jobs]
+        reasons: list[str | None] = [None] * len(jobs)
         try:
-            async for c in server.chunks(job, request):
-                text.append(c.text)
-                reason = c.finish_reason
+            async for i, c in server.merged(jobs, request):
+                texts[i].append(c.text)
+                reasons[i] = c.finish_reason
         except Exception as e:  # noqa: BLE001  (the engine failed: this request fails, the server goes on)
             return server_error(e)
-        return JSONResponse({**head, "choices": [_choice("".join(text), reason, chat, False)],
-                             "usage": server.usage(job)})
+        choices = [_choice(i, "".join(t), r, chat, False) for i, (t, r) in enumerate(zip(texts, reasons))]
+        return JSONResponse({**head, "choices": choices, "usage": server.usage(jobs)})
 
     chunk_head = {**head, "object": "chat.completion.chunk" if chat else "text_completion"}
 
@@ -510,20 +573,20 @@ async def _respond(server: Server, req: _SamplingRequest, job: _Job, request: Re
             yield _sse({**chunk_head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
                                                    "logprobs": None, "finish_reason": None}]})
         try:
-            async for c in server.chunks(job, request):
-                yield _sse({**chunk_head, "choices": [_choice(c.text, c.finish_reason, chat, True)]})
+            async for i, c in server.merged(jobs, request):
+                yield _sse({**chunk_head, "choices": [_choice(i, c.text, c.finish_reason, chat, True)]})
         except Exception as e:  # noqa: BLE001  (the status line is sent already: report in the stream)
-            log.error("request %s failed", job.request_id, exc_info=e)
+            log.error("request %s failed", head["id"], exc_info=e)
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         else:
             if req.stream_options and req.stream_options.include_usage:
-                yield _sse({**chunk_head, "choices": [], "usage": server.usage(job)})
+                yield _sse({**chunk_head, "choices": [], "usage": server.usage(jobs)})
         yield "data: [DONE]\n\n"
 
     # The abort in the background also covers a client that leaves while a chunk is being sent (the
     # generator is then suspended at a yield and its `finally` would wait for garbage collection).
     return StreamingResponse(events(), media_type="text/event-stream",
-                             background=BackgroundTask(server.engine.abort, job.request_id))
+                             background=BackgroundTask(server.abort_all, jobs))
 
 
 def metrics_text(stats: dict) -> str:
@@ -581,8 +644,8 @@ def build_app(llm) -> FastAPI:
             return error_response(APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', '')}"))
         where = ".".join(loc)
         if loc and loc[0] == "prompt":  # pydantic names each arm of the union; say what a prompt may be
-            return error_response(APIError(400, "prompt must be one string or one list of token ids (one prompt "
-                                                "per request)", "prompt"))
+            return error_response(APIError(400, "prompt must be a string, a list of token ids, or a list of "
+                                                "either (one choice per prompt)", "prompt"))
         if not loc and "json" not in request.headers.get("content-type", ""):  # e.g. a form, as `curl -d` sends
             return error_response(APIError(400, "send the body as JSON (Content-Type: application/json)"))
         return error_response(APIError(400, f"{where or 'body'}: {err.get('msg')}", loc[0] if loc else None))
@@ -599,10 +662,10 @@ def build_app(llm) -> FastAPI:
     async def completions(req: CompletionRequest, request: Request):
         server.check_model(req.model)
         req.refuse_unsupported()
-        prompt_ids = await server.encode(req.prompt)
+        prompts = [await server.encode(p) for p in req.prompts()]
         params = sampling_params(req, 16 if req.max_tokens is None else req.max_tokens)  # OpenAI's default
-        job = await server.start(prompt_ids, params, stop_strings(req.stop), "cmpl")
-        return await _respond(server, req, job, request, chat=False)
+        jobs = await server.start_all(prompts, params, stop_strings(req.stop), "cmpl")
+        return await _respond(server, req, jobs, request, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(req: ChatRequest, request: Request):
@@ -613,7 +676,7 @@ def build_app(llm) -> FastAPI:
         if max_tokens is None:  # OpenAI's default: as much as the context (and the whole pool) leaves
             max_tokens = max(server.request_limit - len(prompt_ids), 1)
         job = await server.start(prompt_ids, sampling_params(req, max_tokens), stop_strings(req.stop), "chatcmpl")
-        return await _respond(server, req, job, request, chat=True)
+        return await _respond(server, req, [job], request, chat=True)
 
     def model_card() -> dict:
         return {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "quantmla",
