@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import socket
 import threading
 import time
@@ -52,6 +53,19 @@ class Served:
             time.sleep(0.02)
 
 
+def run_in_thread(server: uvicorn.Server) -> tuple[threading.Thread, socket.socket, str]:
+    """Start `server` on a free local port in a daemon thread; returns (thread, socket, base url) once it serves."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    return thread, sock, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
 @pytest.fixture(scope="module")
 def served(one_thread):
     llm = LLM(device="cpu", kv_cache_bytes=14 << 20, max_num_seqs=MAX_NUM_SEQS)
@@ -60,16 +74,8 @@ def served(one_thread):
     params = SamplingParams(max_tokens=MAX_TOKENS)
     expected = {p: llm.generate(p, params)[0] for p in [*PROMPTS, CHAT_TEXT]}
     app = build_app(llm)
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    thread, sock, url = run_in_thread(server)
     try:
         with httpx.Client(base_url=url, timeout=60) as client:
             yield Served(url, llm, app.state.server, client, expected)
@@ -588,3 +594,43 @@ def test_serve_command_refuses_bad_options_in_one_line(capsys, tmp_path):
     out, err = capsys.readouterr()
     assert "has no tokenizer" in err and "serving" not in out
 
+
+
+def test_stopping_ends_requests_in_flight_instead_of_cancelling_them(caplog, monkeypatch):
+    """A server stopping with requests running ends them DRAIN_MARGIN_S before uvicorn's graceful timeout: a
+    503, or an error event then [DONE] in a stream; uvicorn cancels no task (no traceback logged) and the
+    pages are freed."""
+    from quantmla.engine.server import uvicorn_server
+
+    monkeypatch.setattr(logging.getLogger("uvicorn"), "propagate", True)  # another uvicorn.Config may have set it off
+    llm = LLM(device="cpu", kv_cache_bytes=14 << 20, max_num_seqs=4)
+    app = build_app(llm)
+    server = uvicorn_server(app, log_level="info", log_config=None, timeout_graceful_shutdown=1.5)
+    thread, sock, url = run_in_thread(server)
+    deadline = time.monotonic() + 30
+    got = {}
+
+    def client(streaming: bool):
+        body = {"prompt": PROMPTS[0], "max_tokens": 2000, "temperature": 0}
+        with httpx.Client(base_url=url, timeout=60) as c:
+            got["stream" if streaming else "plain"] = stream(c, "/v1/completions", body) if streaming else \
+                c.post("/v1/completions", json=body)
+
+    clients = [threading.Thread(target=client, args=(s,)) for s in (False, True)]
+    for c in clients:
+        c.start()
+    while app.state.server.engine.stats()["running"] < 2:
+        assert time.monotonic() < deadline, "the requests did not start"
+        time.sleep(0.02)
+    with caplog.at_level(logging.INFO):
+        server.should_exit = True
+        thread.join(15)
+        for c in clients:
+            c.join(15)
+    sock.close()
+    assert not thread.is_alive()
+    assert got["plain"].status_code == 503 and "shutting down" in got["plain"].json()["error"]["message"]
+    assert got["stream"][-1]["error"]["message"] == "the server is shutting down"
+    assert "timeout graceful shutdown" not in caplog.text and "Exception in ASGI application" not in caplog.text
+    assert "Shutting down" in caplog.text  # uvicorn's log did reach caplog
+    assert llm.stats()["pages_used"] == 0

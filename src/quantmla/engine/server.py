@@ -69,6 +69,11 @@ class _Abort:
 
 
 _STOP = object()
+_DRAIN = object()
+
+
+class ShuttingDown(RuntimeError):
+    """What a request still running when the server stops gets (a 503, or an error event in its stream)."""
 
 
 class EngineLoop:
@@ -97,6 +102,10 @@ class EngineLoop:
     def stop(self, timeout: float = 10.0) -> None:
         self._commands.put(_STOP)
         self._thread.join(timeout)
+
+    def drain(self) -> None:
+        """End every request in flight with `ShuttingDown` (their pages freed); the engine keeps serving."""
+        self._commands.put(_DRAIN)
 
     @property
     def alive(self) -> bool:
@@ -147,9 +156,11 @@ class EngineLoop:
                 except queue.Empty:
                     break
             for cmd in commands:
-                if cmd is _STOP:
-                    self._fail_all(RuntimeError("the server is shutting down"))
-                    return
+                if cmd is _STOP or cmd is _DRAIN:
+                    self._fail_all(ShuttingDown("the server is shutting down"))
+                    if cmd is _STOP:
+                        return
+                    continue
                 self._add(cmd) if isinstance(cmd, _Add) else self._abort(cmd.request_id, cmd.reason)
             if self.llm.has_unfinished():
                 self._step()
@@ -348,7 +359,10 @@ def error_response(e: APIError) -> JSONResponse:
 
 
 def server_error(e: Exception) -> JSONResponse:
-    """A 500 for an unexpected failure (an engine bug): this request fails, the server goes on."""
+    """A 500 for an unexpected failure (an engine bug): this request fails, the server goes on. A 503 for a
+    request the server ended because it is stopping."""
+    if isinstance(e, ShuttingDown):
+        return error_response(APIError(503, str(e), type="server_error"))
     log.error("request failed", exc_info=e)
     return error_response(APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
 
@@ -576,7 +590,8 @@ async def _respond(server: Server, req: _SamplingRequest, jobs: list[_Job], requ
             async for i, c in server.merged(jobs, request):
                 yield _sse({**chunk_head, "choices": [_choice(i, c.text, c.finish_reason, chat, True)]})
         except Exception as e:  # noqa: BLE001  (the status line is sent already: report in the stream)
-            log.error("request %s failed", head["id"], exc_info=e)
+            if not isinstance(e, ShuttingDown):
+                log.error("request %s failed", head["id"], exc_info=e)
             yield _sse({"error": {"message": str(e), "type": "server_error", "param": None, "code": None}})
         else:
             if req.stream_options and req.stream_options.include_usage:
@@ -705,13 +720,34 @@ def build_app(llm) -> FastAPI:
 
 
 GRACEFUL_SHUTDOWN_S = 5
+DRAIN_MARGIN_S = 1.0  # the engine ends the requests still running this long before uvicorn would cancel them
+
+
+def uvicorn_server(app: FastAPI, **config):
+    """A uvicorn server of `build_app`'s app (config: uvicorn.Config's arguments). When it stops, requests in
+    flight get `timeout_graceful_shutdown` seconds to finish; DRAIN_MARGIN_S before that the engine ends the
+    rest, so they answer a 503 (an error event when streaming) instead of being cancelled by uvicorn, which
+    logs a traceback per request."""
+    import uvicorn
+
+    class _Server(uvicorn.Server):
+        async def shutdown(self, sockets=None):
+            grace = self.config.timeout_graceful_shutdown
+            drain = None
+            if grace is not None:
+                drain = asyncio.get_running_loop().call_later(max(grace - DRAIN_MARGIN_S, 0.0),
+                                                              app.state.server.engine.drain)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if drain is not None:
+                    drain.cancel()
+
+    return _Server(uvicorn.Config(app, **config))
 
 
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `llm` until interrupted."""
-    import uvicorn
-
-    # Ctrl-C: requests in flight get this long to finish, then are cancelled (their pages freed by their
-    # handlers' aborts) instead of holding the process until every generation ends.
-    uvicorn.run(build_app(llm), host=host, port=port, log_level=log_level,
-                timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
+    """Serve `llm` until interrupted (Ctrl-C: requests in flight get GRACEFUL_SHUTDOWN_S to finish, instead of
+    holding the process until every generation ends)."""
+    uvicorn_server(build_app(llm), host=host, port=port, log_level=log_level,
+                   timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S).run()
