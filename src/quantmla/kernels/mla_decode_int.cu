@@ -1,5 +1,5 @@
-// Absorbed-MLA decode over the paged integer cache, few heads (<= 16 per CTA): mma.sync m16n8k16 with the
-// integer codes turned straight into tensor-core operand registers. Launcher and contract: mla_decode_cuda.py.
+// Absorbed-MLA decode over the paged integer (or fp8) cache, few heads (<= 16 per CTA): mma.sync m16n8k16 with
+// the codes turned straight into tensor-core operand registers. Launcher and contract: mla_decode_cuda.py.
 //
 // Compile-time config (-D): CB, RB (content / rope bits: 4 or 2), DC, DR (dims), RG (rope group), STAGES.
 // fp8 variant (CB = 8: content e4m3 with an fp32 scale per CG channels, CG = 0: none; rope RB = 8: e4m3 without
