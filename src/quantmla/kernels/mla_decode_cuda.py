@@ -52,7 +52,8 @@ ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | gluon | auto
 # and int2 content; benchmarks/decode_kernel_auto.py scores a rule on them): up to 32 heads it beat Triton's
 # integer kernel in every cell. Above that it reads and dequantizes the cache once per 16 heads, and wins while
 # the batch has few such head blocks; of the limits 4-128 blocks, 32 lost least on that grid (wrong in 13 of
-# 138 cells, by at most 10.5 %; the same grid picked it, nothing held out).
+# 138 cells, by at most 10.5 %; the same grid picked it). The fp8 cells measured later (decode_kernel_cuda_fp8.md)
+# were not used to pick it: it is wrong in 1 of their 36 (128 heads, B = 1, 64 K: 10.7 %).
 AUTO_CUDA_MAX_HEADS = 32
 AUTO_CUDA_MAX_HEAD_BLOCKS = 32
 
