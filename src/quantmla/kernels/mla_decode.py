@@ -753,7 +753,7 @@ def mla_decode(
     max_seq_len: an upper bound on seq_lens, used to size the split; pass it (no host sync) when capturing
         a CUDA graph; None reads seq_lens.max() (one sync).
     Kernel: `decode_kernel_name(cache, H, device, batch=B)` says which: this module's Triton kernel, the CUDA
-        kernel of `mla_decode_cuda` (int4/int2 caches; "auto" picks it where it measured faster, see
+        kernel of `mla_decode_cuda` (int4/int2 and fp8 caches; "auto" picks it where it measured faster, see
         `auto_cuda_max_batch`; $QUANTMLA_DECODE_KERNEL=cuda forces it), or with $QUANTMLA_DECODE_KERNEL=gluon
         the Hopper kernel of `mla_decode_gluon` (INT4/INT4 channel groups of 64, 512/64 dims, H <= 16; opt-in);
         an explicit `config` always means Triton. num_splits: Triton's splits, or the CUDA kernel's body splits.

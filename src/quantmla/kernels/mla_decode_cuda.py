@@ -86,7 +86,8 @@ def _fmt_reason(cache) -> str | None:
     """Why the kernel has no variant for these formats and dims, or None."""
     c, r = cache.content.fmt, cache.rope.fmt
     dc, dr = cache.kv_lora_rank, cache.rope_dim
-    if _bits(cache) is None:
+    bits = _bits(cache)
+    if bits is None:
         return f"needs int4/int2 on both paths, or fp8 content with fp8:0 or bf16 rope; got {c}/{r}"
     if dc not in (256, 512):
         return f"needs kv_lora_rank 256 or 512 (one warp per 64-channel group), got {dc}"
@@ -96,10 +97,9 @@ def _fmt_reason(cache) -> str | None:
         if dr % 16:
             return f"needs rope dims in whole 16-channel steps, got {dr}"
         return None
-    cb, rb = _bits(cache)
     if c.group != 64:
         return f"needs content group 64, got {c.group}"
-    rg = r.group
+    rg, rb = r.group, bits[1]
     if dr % rg or rg % 16 or (rg * rb) % 128 or dc // 64 + dr // rg > 16:
         return (f"needs rope groups of whole 16-channel steps and 16 bytes per token (got rope dims {dr}, group "
                 f"{rg}, {rb} bits) and at most 16 scale groups")
