@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python benchmarks/decode_kernel.py [--out benchmarks/results] [--batches 1,16,64]
         [--contexts 4096,16384,65536] [--heads 16,128] [--formats bf16,int4/int4,...] [--no-tune]
-        [--kernels triton,cuda,gluon] [--name decode_kernel]
+        [--kernels triton,cuda,gluon,heads] [--name decode_kernel]
 
 Grid: batch {1, 16, 64} x context {4K, 16K, 64K} x heads {16, 128}, kv_lora_rank 512, rope 64, page 64,
 sink 4 + recent 128 BF16 tokens for the quantized formats. Formats: bf16 (the baseline kernel: same design,
@@ -19,7 +19,8 @@ kernel, and a plain-torch decode (bf16 matmuls + fp32 softmax) on the dequantize
 --kernels: which decode kernels get rows: "triton" (quantmla.kernels.mla_decode's Triton kernel, with the
 tuned or default launch config) and/or "cuda" (quantmla.kernels.mla_decode_cuda, integer and fp8 formats where it
 is supported) and/or "gluon" (quantmla.kernels.mla_decode_gluon, the
-Hopper kernel for int4/int4 and few heads, where it is supported); the `kernel` column names it, `auto` says which one `mla_decode` itself would pick
+Hopper kernel for int4/int4 and few heads, where it is supported) and/or "heads"
+(quantmla.kernels.mla_decode_many_heads, the Hopper kernel for 64 heads per CTA); the `kernel` column names it, `auto` says which one `mla_decode` itself would pick
 (`decode_kernel_name`). The speedup is always over the Triton bf16 kernel. --name: the results' file stem.
 
 Before the grid, each (format, heads) picks its launch config from a few candidates on B=16, L=64K (the
@@ -49,6 +50,7 @@ from quantmla.cache.paged import PagedMLACache  # noqa: E402
 from quantmla.config import CacheConfig  # noqa: E402
 from quantmla.kernels import mla_decode_cuda as mdc  # noqa: E402
 from quantmla.kernels import mla_decode_gluon as mdg  # noqa: E402
+from quantmla.kernels import mla_decode_many_heads as mdh  # noqa: E402
 from quantmla.kernels.mla_decode import (  # noqa: E402
     KernelConfig,
     default_config,
@@ -255,7 +257,7 @@ def main():
     ap.add_argument("--rep", type=float, default=20, help="timed replays per row: about this many ms")
     ap.add_argument("--no-tune", action="store_true", help="use default_config instead of the candidates")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
-    ap.add_argument("--kernels", default="triton", help="comma list of triton, cuda, gluon")
+    ap.add_argument("--kernels", default="triton", help="comma list of triton, cuda, gluon, heads")
     ap.add_argument("--name", default="decode_kernel", help="results file stem")
     args = ap.parse_args()
     kernels = args.kernels.split(",")
@@ -343,7 +345,8 @@ def main():
                 for H, kern in [(h, k) for h in heads for k in (["triton"] if f == "bf16" else kernels)]:
                     qn, qp = queries(B, H)
                     auto = mdc.decode_kernel_name(cache, H, qn.device, batch=B)
-                    unsupported = {"gluon": mdg.unsupported_reason, "cuda": mdc.unsupported_reason}.get(kern)
+                    unsupported = {"gluon": mdg.unsupported_reason, "cuda": mdc.unsupported_reason,
+                                   "heads": mdh.unsupported_reason}.get(kern)
                     why = unsupported and unsupported(cache, H, qn.device)
                     if why:
                         print(f"B={B:3d} L={L:6d} H={H:3d} {f:9s} {kern}: not run ({why})", flush=True)
@@ -353,6 +356,11 @@ def main():
                         splits = mdg.default_splits(B, L, props.multi_processor_count)
                         fn = lambda: mdg.mla_decode_gluon(qn, qp, cache, tables, seq_lens, slots, SCALE, max_seq_len=L,
                                                           num_sms=props.multi_processor_count)  # fmt: skip
+                    elif kern == "heads":
+                        cfg = None
+                        splits = mdh.default_splits(B, H, L, props.multi_processor_count)
+                        fn = lambda: mdh.mla_decode_many_heads(qn, qp, cache, tables, seq_lens, slots, SCALE,
+                                                               max_seq_len=L, num_sms=props.multi_processor_count)
                     elif kern == "cuda":
                         cfg = None
                         splits = mdc.body_splits(B, H, L, props.multi_processor_count, protected=cache.window > 0) + (1 if cache.window else 0)
@@ -420,7 +428,7 @@ def table(meta, rows) -> str:
         "block table + output bytes; TFLOP/s counts 2*H*L*(dc+dr) + 2*H*L*dc per sequence; x = speedup over "
         "the Triton bf16 kernel; torch = plain-torch decode on the dequantized contiguous bf16 cache; kernel = the "
         "decode kernel timed (triton: quantmla.kernels.mla_decode, cuda: quantmla.kernels.mla_decode_cuda, "
-        "gluon: quantmla.kernels.mla_decode_gluon), auto = "
+        "gluon: quantmla.kernels.mla_decode_gluon, heads: quantmla.kernels.mla_decode_many_heads), auto = "
         "the one mla_decode picks by default (decode_kernel_name).",
         "",
         "| B | context | H | format | kernel | auto | us | GB/s | % copy BW | TFLOP/s | x bf16 | torch us | splits | rms err |",

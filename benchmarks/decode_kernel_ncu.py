@@ -5,14 +5,17 @@
     PYTHONPATH=src python benchmarks/decode_kernel_ncu.py --gluon [--out ...]   # the Gluon kernel's cases
     PYTHONPATH=src python benchmarks/decode_kernel_ncu.py --cuda [--out ...]    # the CUDA kernel's cases
     PYTHONPATH=src python benchmarks/decode_kernel_ncu.py --fp8 [--out ...]     # its fp8 variant's cases
+    PYTHONPATH=src python benchmarks/decode_kernel_ncu.py --heads [--out ...]   # the many-heads kernel's
 
 Runs itself under `ncu` (which must be on PATH) with one launch of the decode kernel per case — by default
 bf16 and int4/int4 at 16 and 128 heads, batch 16, 64K context, the launch configs `default_config` picks
 (Triton's `_mla_decode_kernel`); with --gluon the Triton bf16 and int4/int4 kernels and the Gluon one
 (`_gluon_decode_kernel`, $QUANTMLA_DECODE_KERNEL=gluon) at 16 heads, batch 16, 16K and 64K; with --cuda the
 Triton bf16 kernel and the CUDA one (`mla_decode_int`) at 16 heads, batch 16, 16K and 64K; with --fp8 the
-Triton bf16 kernel and the CUDA kernel on int4/int4, fp8/bf16 and fp8:0/fp8:0 at 16 heads, batch 16, 64K — and
-writes decode_kernel_ncu[_gluon|_cuda|_fp8].json (every metric ncu returned) and decode_kernel_ncu.md: time, DRAM and SM
+Triton bf16 kernel and the CUDA kernel on int4/int4, fp8/bf16 and fp8:0/fp8:0 at 16 heads, batch 16, 64K; with
+--heads the Triton bf16 and int4/int4 kernels and the many-heads one (`_many_heads_kernel`) on int4/int4 and
+fp8:0/fp8:0 at 128 heads, batch 16, 64K — and
+writes decode_kernel_ncu[_gluon|_cuda|_fp8|_heads].json (every metric ncu returned) and decode_kernel_ncu.md: time, DRAM and SM
 throughput, issue-slot use, warps per scheduler, shared-memory pipe use, tensor pipe use and the stall
 reasons (cycles per issued instruction), i.e. what the benchmark's times are made of.
 """
@@ -42,7 +45,10 @@ CUDA_CASES = [("bf16", 16, "triton", 16, 16384), ("int4/int4", 16, "cuda", 16, 1
               ("int4/int4", 16, "cuda", 16, 65536)]  # fmt: skip
 FP8_CASES = [("bf16", 16, "triton", 16, 65536), ("int4/int4", 16, "cuda", 16, 65536),
              ("fp8/bf16", 16, "cuda", 16, 65536), ("fp8:0/fp8:0", 16, "cuda", 16, 65536)]  # fmt: skip
+HEADS_CASES = [("bf16", 128, "triton", 16, 65536), ("int4/int4", 128, "triton", 16, 65536),
+               ("int4/int4", 128, "heads", 16, 65536), ("fp8:0/fp8:0", 128, "heads", 16, 65536)]  # fmt: skip
 CASE_SETS = {  # --NAME: (cases, results file stem); without one, CASES and "decode_kernel_ncu"
+    "heads": (HEADS_CASES, "decode_kernel_ncu_heads"),
     "gluon": (GLUON_CASES, "decode_kernel_ncu_gluon"),
     "cuda": (CUDA_CASES, "decode_kernel_ncu_cuda"),
     "fp8": (FP8_CASES, "decode_kernel_ncu_fp8"),
@@ -97,7 +103,7 @@ def main():
     ncu = shutil.which("ncu") or next((p for p in NCU_PATHS if os.path.exists(p)), None)
     if ncu is None:
         sys.exit("ncu (Nsight Compute) is not on PATH")
-    cmd = [ncu, "--target-processes", "all", "-k", "regex:^(_mla_decode_kernel|_gluon_decode_kernel|mla_decode_int)", "--launch-count", str(len(cases)),
+    cmd = [ncu, "--target-processes", "all", "-k", "regex:^(_mla_decode_kernel|_gluon_decode_kernel|_many_heads_kernel|mla_decode_int)", "--launch-count", str(len(cases)),
            "--csv", "--page", "raw", "--cache-control", "all", "--clock-control", "none"]  # fmt: skip
     for s in SECTIONS:
         cmd += ["--section", s]

@@ -109,17 +109,23 @@ def test_default_model_preempted_on_the_gpu_gives_the_same_greedy_outputs(defaul
 
 
 def test_many_heads_decode_kernel_follows_the_batch():
-    """128 heads: "auto" runs the CUDA kernel for batches of at most 4 and Triton above; the engine says so,
-    and graph replay equals eager decode on both sides of the limit."""
+    """Many heads: "auto" runs the CUDA kernel for few sequences and the many-heads kernel above (64 heads on
+    Hopper: batch 1, then 2+), or Triton's where that kernel does not run (128 heads: batch <= 4, then 5); the
+    engine says so, and graph replay equals eager decode on both sides of the limit."""
+    from quantmla.kernels import mla_decode_many_heads as mh
+
+    many = mh.gluon is not None and torch.cuda.get_device_capability()[0] == 9
+    heads, limit, above = (64, 1, "heads") if many else (128, 4, "triton")
+
     def model():  # an LLM wraps its model's attention modules: one model each
-        return tiny_model("deepseek_v3", num_attention_heads=128, kv_lora_rank=512, qk_rope_head_dim=64).to(
+        return tiny_model("deepseek_v3", num_attention_heads=heads, kv_lora_rank=512, qk_rope_head_dim=64).to(
             "cuda", torch.bfloat16)
 
     kw = dict(content="int4", rope="int4", sink=4, recent=32, max_num_seqs=5, kv_cache_bytes=256 << 20)
     graphed, eager = LLM(model(), **kw), LLM(model(), **kw, cuda_graphs=False)
-    assert graphed.stats()["decode_kernel"] == "cuda (batch <= 4) / triton"
+    assert graphed.stats()["decode_kernel"] == f"cuda (batch <= {limit}) / {above}"
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     ids = [[t % 128 for t in p] for p in PROMPTS]  # the tiny model's vocabulary
-    for prompts in (ids[:4], ids):  # 4 sequences, then 5
+    for prompts in (ids[:limit], ids):  # at the limit, then 5
         a = [o.token_ids for o in graphed.generate(prompts, params)]
         assert a == [o.token_ids for o in eager.generate(prompts, params)]

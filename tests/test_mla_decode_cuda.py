@@ -432,6 +432,20 @@ def test_auto_batch_limit_by_heads():
     16-head blocks (the kernel reads the cache once per 16 heads)."""
     assert [mdc.auto_cuda_max_batch(h) for h in (1, 8, 16, 20, 32)] == [None] * 5
     assert [mdc.auto_cuda_max_batch(h) for h in (33, 40, 64, 128, 129, 512, 513)] == [10, 10, 8, 4, 3, 1, 0]
+    # against the many-heads kernel: 4 blocks
+    assert [mdc.auto_cuda_max_batch(h, many_heads=True) for h in (32, 33, 64, 65, 128)] == [None, 1, 1, 0, 0]
+
+
+@pytest.mark.parametrize("heads,batch,cuda,many,want", [
+    (16, 64, True, True, "cuda"), (32, 64, True, True, "cuda"), (64, 1, True, True, "cuda"),
+    (64, 2, True, True, "heads"), (128, 1, True, True, "heads"), (128, 4, True, False, "cuda"),
+    (128, 5, True, False, "triton"), (16, 1, False, True, "triton"), (40, 1, False, True, "heads"),
+    (128, None, True, True, "heads"), (16, None, True, False, "cuda"),
+])  # fmt: skip
+def test_auto_kernel_order(heads, batch, cuda, many, want):
+    """The CUDA kernel up to 32 heads or for few head blocks, then the many-heads kernel (never at <= 32 heads),
+    then Triton's."""
+    assert mdc.auto_kernel(heads, batch, cuda, many) == want
 
 
 def test_auto_rule_scored_on_the_committed_grids():
@@ -439,7 +453,8 @@ def test_auto_rule_scored_on_the_committed_grids():
     benchmarks/decode_kernel_auto.py after changing either), and the script counts a slower pick as a loss."""
     mod = _benchmark("decode_kernel_auto")
     res = BENCHMARKS / "results"
-    grids = sorted(str(p) for p in res.glob("decode_kernel_cuda_v4*.json")) + [str(res / "decode_kernel_cuda_fp8.json")]
+    grids = sorted(str(p) for p in res.glob("decode_kernel_cuda_v4*.json")) + [
+        str(res / "decode_kernel_cuda_fp8.json"), str(res / "decode_kernel_heads.json")]
     rows = mod.picks(mod.cells(grids))
     wrong = [r for r in rows if r["loss"] > 0]
     text = (BENCHMARKS / "results" / "decode_kernel_auto.md").read_text()
@@ -447,6 +462,8 @@ def test_auto_rule_scored_on_the_committed_grids():
     assert f"{len(rows)} cells; auto picks the slower kernel in {len(wrong)}, losing at most {worst:.1%}." in text
     (row,) = mod.picks({(128, 64, 4096, "int4/int4"): {"cuda": 1.2, "triton": 0.6}})
     assert (row["auto"], row["faster"], row["loss"]) == ("triton", "cuda", 0.5)
+    (row,) = mod.picks({(128, 1, 4096, "int4/int4"): {"cuda": 1.2, "heads": 0.9, "triton": 0.6}})
+    assert (row["auto"], row["faster"], row["loss"]) == ("heads", "cuda", 0.25)
 
 
 @needs_gpu
@@ -454,12 +471,20 @@ def test_dispatch_and_refusals(monkeypatch):
     cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, [100], page=64, recent=128)
     dev = torch.device("cuda")
     monkeypatch.delenv(mdc.ENV, raising=False)
+    from quantmla.kernels import mla_decode_many_heads as mh
+
     assert mdc.decode_kernel_name(cache, 16, dev) == "cuda"  # where it measured faster
     assert mdc.decode_kernel_name(cache, 32, dev, batch=64) == "cuda"
-    assert mdc.decode_kernel_name(cache, 128, dev, batch=4) == "cuda"
-    assert mdc.decode_kernel_name(cache, 128, dev, batch=5) == "triton"
-    assert mdc.decode_kernel_name(cache, 64, dev, batch=8) == "cuda"
-    assert mdc.decode_kernel_name(cache, 128, dev) == "triton"  # any batch
+    if mh.unsupported_reason(cache, 128, dev) is None:  # Hopper: the many-heads kernel above 32 heads
+        assert mdc.decode_kernel_name(cache, 64, dev, batch=1) == "cuda"
+        assert mdc.decode_kernel_name(cache, 64, dev, batch=2) == "heads"
+        assert mdc.decode_kernel_name(cache, 128, dev, batch=1) == "heads"
+        assert mdc.decode_kernel_name(cache, 128, dev) == "heads"  # any batch
+    else:
+        assert mdc.decode_kernel_name(cache, 128, dev, batch=4) == "cuda"
+        assert mdc.decode_kernel_name(cache, 128, dev, batch=5) == "triton"
+        assert mdc.decode_kernel_name(cache, 64, dev, batch=8) == "cuda"
+        assert mdc.decode_kernel_name(cache, 128, dev) == "triton"  # any batch
     assert mdc.decode_kernel_name(cache, 16, torch.device("cpu")) == "triton"
     monkeypatch.setenv(mdc.ENV, "triton")
     assert mdc.decode_kernel_name(cache, 16, dev) == "triton"

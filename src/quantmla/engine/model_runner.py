@@ -70,8 +70,8 @@ class ModelRunner:
             self._capture(graph_batch_sizes(max_num_seqs))
 
     def decode_kernels(self) -> list[str]:
-        """Per MLA layer, the kernel a decode step runs: on a GPU `mla_decode`'s choice ("cuda", "triton" or
-        "gluon", `decode_kernel_name`), or where that depends on the batch size, e.g. "cuda (batch <= 2) /
+        """Per MLA layer, the kernel a decode step runs: on a GPU `mla_decode`'s choice ("cuda", "heads", "triton"
+        or "gluon", `decode_kernel_name`), or where that depends on the batch size, e.g. "cuda (batch <= 2) /
         triton"; on the CPU "reference" (the torch oracle)."""
         if self.device.type != "cuda":
             return ["reference"] * len(self.caches)
@@ -80,7 +80,8 @@ class ModelRunner:
         names = []
         for c, layer in zip(self.caches, self.layers):
             one, most = (decode_kernel_name(c, layer.num_heads, self.device, batch=b) for b in (1, self.max_num_seqs))
-            names.append(one if one == most else f"{one} (batch <= {auto_cuda_max_batch(layer.num_heads)}) / {most}")
+            limit = auto_cuda_max_batch(layer.num_heads, many_heads=most == "heads")
+            names.append(one if one == most else f"{one} (batch <= {limit}) / {most}")
         return names
 
     def restore(self) -> None:

@@ -45,9 +45,10 @@ Kernel design (flash-decoding):
   - every shape is fixed by the launcher's arguments (batch, heads, max_seq_len), lengths are read on the
     device: no host syncs, no data-dependent allocations, safe to capture in a CUDA graph.
 Which kernel runs for a cache, head count and batch is `decode_kernel_name`'s choice: on a GPU the int4/int2
-and fp8 caches mostly go to the CUDA kernel of `mla_decode_cuda`, which dequantizes into tensor-core register
-fragments instead of through a shared-memory tile (this kernel's limit). Measurements and profiles of both:
-docs/design.md, "Decode kernels", and benchmarks/results/decode_kernel*.md.
+and fp8 caches mostly go to the CUDA kernel of `mla_decode_cuda` (few heads), which dequantizes into tensor-core
+register fragments instead of through a shared-memory tile (this kernel's limit), or on Hopper above 32 heads to
+the many-heads kernel of `mla_decode_many_heads` (Q held in shared memory, 64 heads per CTA). Measurements and
+profiles: docs/design.md, "Decode kernels", and benchmarks/results/decode_kernel*.md.
 """
 
 from __future__ import annotations
@@ -754,8 +755,10 @@ def mla_decode(
         a CUDA graph; None reads seq_lens.max() (one sync).
     Kernel: `decode_kernel_name(cache, H, device, batch=B)` says which: this module's Triton kernel, the CUDA
         kernel of `mla_decode_cuda` (int4/int2 and fp8 caches; "auto" picks it where it measured faster, see
-        `auto_cuda_max_batch`; $QUANTMLA_DECODE_KERNEL=cuda forces it), or with $QUANTMLA_DECODE_KERNEL=gluon
-        the Hopper kernel of `mla_decode_gluon` (INT4/INT4 channel groups of 64, 512/64 dims, H <= 16; opt-in);
+        `auto_kernel`; $QUANTMLA_DECODE_KERNEL=cuda forces it), the many-heads Hopper kernel of
+        `mla_decode_many_heads` ("auto" above 32 heads except batches of very few head blocks;
+        $QUANTMLA_DECODE_KERNEL=heads forces it), or with $QUANTMLA_DECODE_KERNEL=gluon the few-heads Hopper
+        kernel of `mla_decode_gluon` (INT4/INT4 channel groups of 64, 512/64 dims, H <= 16; opt-in);
         an explicit `config` always means Triton. num_splits: Triton's splits, or the CUDA kernel's body splits.
     Returns out [B, H, dc] in out_dtype (fp32 or bf16) and lse [B, H] fp32 (natural log; -inf if L = 0).
     """
@@ -775,6 +778,12 @@ def mla_decode(
         return _gluon.mla_decode_gluon(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale,
                                        max_seq_len=max_seq_len, out_dtype=out_dtype, num_splits=num_splits,
                                        num_sms=_sm_count(dev))  # fmt: skip
+    if kernel == "heads":
+        from quantmla.kernels.mla_decode_many_heads import mla_decode_many_heads
+
+        return mla_decode_many_heads(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale,
+                                     max_seq_len=max_seq_len, out_dtype=out_dtype, num_splits=num_splits,
+                                     num_sms=_sm_count(dev))  # fmt: skip
     if kernel == "cuda":
         return mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale,
                                max_seq_len=max_seq_len, out_dtype=out_dtype, num_splits=num_splits,

@@ -47,7 +47,7 @@ import torch
 
 SRC = Path(__file__).with_name("mla_decode_int.cu")
 NT = 64  # tokens per tile (a page must hold whole tiles)
-ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | gluon | auto
+ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | gluon | heads | auto
 # Where "auto" picks the CUDA kernel (H200, benchmarks/results/decode_kernel_cuda_v4*.md, B 1-64, 4-64 K, int4
 # and int2 content; benchmarks/decode_kernel_auto.py scores a rule on them): up to 32 heads it beat Triton's
 # integer kernel in every cell. Above that it reads and dequantizes the cache once per 16 heads, and wins while
@@ -56,20 +56,37 @@ ENV = "QUANTMLA_DECODE_KERNEL"  # triton | cuda | gluon | auto
 # were not used to pick it: it is wrong in 1 of their 36 (128 heads, B = 1, 64 K: 10.7 %).
 AUTO_CUDA_MAX_HEADS = 32
 AUTO_CUDA_MAX_HEAD_BLOCKS = 32
+# Against the many-heads Hopper kernel (`mla_decode_many_heads`, chosen above AUTO_CUDA_MAX_HEADS heads where it
+# runs) the CUDA kernel wins only with very few head blocks: of the limits 0-32 blocks, 4 lost least on the H200
+# grid of 33-128 heads (benchmarks/results/decode_kernel_heads.md: the CUDA kernel at 64 heads, B = 1; wrong in 4
+# of 72 cells, by at most 14.2 %; the same grid picked it).
+AUTO_CUDA_MAX_HEAD_BLOCKS_VS_MANY_HEADS = 4
 
 
-def auto_cuda_max_batch(num_heads: int) -> int | None:
-    """The largest batch for which "auto" picks the CUDA kernel at num_heads: None for any batch, 0 for none."""
+def auto_cuda_max_batch(num_heads: int, many_heads: bool = False) -> int | None:
+    """The largest batch for which "auto" picks the CUDA kernel at num_heads: None for any batch, 0 for none.
+    many_heads: whether the many-heads kernel is the alternative (else Triton's)."""
     if num_heads <= AUTO_CUDA_MAX_HEADS:
         return None
-    return AUTO_CUDA_MAX_HEAD_BLOCKS // -(-num_heads // 16)
+    limit = AUTO_CUDA_MAX_HEAD_BLOCKS_VS_MANY_HEADS if many_heads else AUTO_CUDA_MAX_HEAD_BLOCKS
+    return limit // -(-num_heads // 16)
 
 
-def auto_prefers_cuda(num_heads: int, batch: int | None) -> bool:
-    """Whether "auto" takes the CUDA kernel (where supported) at this head count and batch size; batch None:
-    for every batch size."""
-    most = auto_cuda_max_batch(num_heads)
+def auto_prefers_cuda(num_heads: int, batch: int | None, many_heads: bool = False) -> bool:
+    """Whether "auto" takes the CUDA kernel (where supported) at this head count and batch size, against the
+    many-heads kernel (many_heads) or Triton's; batch None: for every batch size."""
+    most = auto_cuda_max_batch(num_heads, many_heads)
     return most is None or (batch is not None and batch <= most)
+
+
+def auto_kernel(num_heads: int, batch: int | None, cuda: bool, many_heads: bool) -> str:
+    """"auto"'s pick among the kernels that can run (cuda: the CUDA kernel; many_heads: the many-heads kernel):
+    the CUDA kernel where `auto_prefers_cuda`, else the many-heads kernel above AUTO_CUDA_MAX_HEADS heads, else
+    Triton's."""
+    many_heads = many_heads and num_heads > AUTO_CUDA_MAX_HEADS
+    if cuda and auto_prefers_cuda(num_heads, batch, many_heads):
+        return "cuda"
+    return "heads" if many_heads else "triton"
 
 
 def _bits(cache) -> tuple[int, int] | None:
@@ -140,27 +157,31 @@ def unsupported_reason(cache, num_heads: int, device: torch.device) -> str | Non
 
 
 def decode_kernel_name(cache, num_heads: int, device, batch: int | None = None) -> str:
-    """Which kernel `mla_decode` runs for this cache, head count, device and batch size: "cuda", "gluon" or
-    "triton". batch None: the kernel that runs whatever the batch size ("triton" where it depends on it).
+    """Which kernel `mla_decode` runs for this cache, head count, device and batch size: "cuda", "heads",
+    "gluon" or "triton". batch None: the kernel that runs whatever the batch size (the larger-batch one where
+    it depends on it).
 
     $QUANTMLA_DECODE_KERNEL: "triton" always Triton; "cuda" the CUDA kernel (mla_decode raises if it cannot
-    run); "gluon" the Hopper Gluon kernel of `mla_decode_gluon` (opt-in, never chosen by "auto"; raises
-    ValueError if it cannot run); "auto" (default) the CUDA kernel where it is supported and the batch is at
-    most `auto_cuda_max_batch(num_heads)` (where it measured faster), else Triton. A cache
-    with a token-axis or a ranked path is always Triton's: the other kernels read neither token-axis scales
-    nor partial rows."""
+    run); "heads" the many-heads Hopper kernel of `mla_decode_many_heads` (raises ValueError if it cannot run);
+    "gluon" the few-heads Hopper Gluon kernel of `mla_decode_gluon` (opt-in, never chosen by "auto"; raises
+    ValueError if it cannot run); "auto" (default) `auto_kernel` among those that can run: the CUDA kernel up
+    to AUTO_CUDA_MAX_HEADS heads or where the batch is at most `auto_cuda_max_batch`, else the many-heads
+    kernel, else Triton (where each measured faster). A cache with a token-axis or a ranked path is always
+    Triton's: the other kernels read neither token-axis scales nor partial rows."""
     choice = os.environ.get(ENV, "auto").lower()
-    if choice not in ("triton", "cuda", "gluon", "auto"):
-        raise ValueError(f"{ENV} must be triton, cuda, gluon or auto, got {choice!r}")
+    if choice not in ("triton", "cuda", "gluon", "heads", "auto"):
+        raise ValueError(f"{ENV} must be triton, cuda, gluon, heads or auto, got {choice!r}")
     if choice == "triton" or cache.content.block > 1 or cache.rope.block > 1:
         return "triton"
     if cache.content.fmt.rank or cache.rope.fmt.rank:
         return "triton"
-    if choice in ("cuda", "gluon"):
+    if choice in ("cuda", "gluon", "heads"):
         return choice
-    if auto_prefers_cuda(num_heads, batch) and unsupported_reason(cache, num_heads, device) is None:
-        return "cuda"
-    return "triton"
+    from quantmla.kernels import mla_decode_many_heads as _many
+
+    many = num_heads > AUTO_CUDA_MAX_HEADS and _many.unsupported_reason(cache, num_heads, device) is None
+    cuda = auto_prefers_cuda(num_heads, batch, many) and unsupported_reason(cache, num_heads, device) is None
+    return auto_kernel(num_heads, batch, cuda, many)
 
 
 # --- build ----------------------------------------------------------------------------------------------------

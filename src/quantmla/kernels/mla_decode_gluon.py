@@ -845,6 +845,12 @@ def unsupported_reason(cache: PagedMLACache, num_heads: int, device) -> str | No
             return why
     if num_heads > BLOCK_H or num_heads < 1:
         return f"needs 1..{BLOCK_H} heads, got {num_heads}"
+    return hopper_reason(cache, device)
+
+
+def hopper_reason(cache: PagedMLACache, device) -> str | None:
+    """What the Hopper Gluon kernels need besides their formats, or None: pages of whole 64-token tiles,
+    contiguous bf16 protected rows, an sm_90 CUDA device."""
     if cache.block_size % BLOCK_N:
         return f"needs pages of a multiple of {BLOCK_N} tokens, got {cache.block_size}"
     if cache.protected_content.dtype != torch.bfloat16 or cache.protected_rope.dtype != torch.bfloat16:

@@ -1,0 +1,212 @@
+"""The many-heads Hopper decode kernel (`quantmla.kernels.mla_decode_many_heads`): what it refuses, on any
+machine; on an sm_90 GPU with triton.experimental.gluon, the kernel against the fp64 reference on awkward
+shapes (empty, shorter than the window, page crossings, odd lengths, NaN in every unused row)."""
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from quantmla.cache.paged import PagedMLACache, PagedPath
+from quantmla.config import CacheConfig
+from quantmla.kernels import mla_decode_many_heads as mh
+from quantmla.kernels.mla_decode import mla_decode_reference
+
+GPU = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9 and mh.gluon is not None
+needs_hopper = pytest.mark.skipif(not GPU, reason="needs an sm_90 GPU and triton.experimental.gluon")
+
+
+def _cache(fmts, dc=512, dr=64, page=64):
+    return PagedMLACache.allocate(CacheConfig(*fmts, sink=4, recent=128), dc, dr, 4, 2, block_size=page)
+
+
+@pytest.mark.parametrize("fmts,dc,dr,page,want", [
+    (("int4:t64", "int4"), 512, 64, 64, "content path stored as int4:t64"),
+    (("bf16", "bf16"), 512, 64, 64, "bf16 content"),
+    (("int8", "int4"), 512, 64, 64, "content path stored as int8"),
+    (("int4", "int4"), 512, 64, 32, "pages of a multiple of 64"),
+    (("int4", "int4"), 512, 48, 64, "power-of-two dims"),
+    (("int4", "int4"), 512, 64, 64, "not a CUDA device"),
+])  # fmt: skip
+def test_refusals_name_the_problem(fmts, dc, dr, page, want):
+    if mh.gluon is None:
+        pytest.skip("triton.experimental.gluon is not available")
+    try:
+        cache = _cache(fmts, dc, dr, page)
+    except ValueError as e:  # a format the cache itself refuses at these dims
+        pytest.skip(str(e))
+    assert want in mh.unsupported_reason(cache, 128, torch.device("cpu"))
+
+
+def run_ptx(ptx: str, regs: dict[str, int]) -> dict[str, int]:
+    """Execute the few PTX instructions `_dequant_ptx` uses on 32-bit integer registers (f16x2 arithmetic in
+    numpy float16, one rounding per fma as the hardware does: the exact product-sum rounded once)."""
+    import re
+
+    import numpy as np
+
+    def halves(x):
+        return np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16)
+
+    def word(h):
+        u = np.asarray(h, dtype=np.float16).view(np.uint16).astype(np.int64)
+        return int(u[0] | (u[1] << 16))
+
+    def val(a):
+        return int(a, 16) if a.startswith("0x") else regs[a]
+
+    for line in ptx.splitlines():
+        m = re.match(r"(\S+) (.*);$", line.strip())
+        if not m or m.group(1).startswith("."):
+            continue
+        op, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+        d, src = args[0], args[1:]
+        if op == "mov.b32":
+            regs[d] = val(src[0])
+        elif op == "prmt.b32":
+            x, sel = val(src[0]), val(src[2])
+            regs[d] = sum(((x >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        elif op == "shr.u32":
+            regs[d] = val(src[0]) >> int(src[1])
+        elif op == "lop3.b32":
+            assert src[3] == "0xEA"  # (a & b) | c
+            regs[d] = (val(src[0]) & val(src[1])) | val(src[2])
+        elif op == "sub.f16x2":
+            regs[d] = word(halves(val(src[0])) - halves(val(src[1])))
+        elif op == "fma.rn.f16x2":
+            a, b, c = (halves(val(x)).astype(np.float64) for x in src)
+            regs[d] = word((a * b + c).astype(np.float16))
+        else:
+            raise AssertionError(f"unexpected PTX op {op}")
+    return regs
+
+
+@pytest.mark.parametrize("bits", [4, 2])
+def test_dequant_ptx_gives_code_times_scale_plus_zero(bits):
+    """`_dequant_ptx` on every code in every byte position: output tensor k, element e holds code k of byte e
+    (the kernel's join of the outputs relies on it), as (code - mid) * scale + (zero + mid * scale) in fp16."""
+    import numpy as np
+
+    n_out, mid = 8 // bits, 1 << (bits - 1)
+    ptx = mh._dequant_ptx(bits)
+    g = np.random.default_rng(0)
+    for _ in range(64):
+        codes = g.integers(0, 1 << bits, size=(4, n_out))  # byte e, code k
+        word = int(sum(int(sum(int(codes[e, k]) << (bits * k) for k in range(n_out))) << (8 * e) for e in range(4)))
+        scale, zero = np.float16(g.uniform(0.01, 2)), np.float16(g.uniform(-5, 5))
+        zc = np.float16(np.float32(zero) + mid * np.float32(scale))
+        pair = lambda v: int(np.array([v, v], dtype=np.float16).view(np.uint32)[0])  # noqa: E731
+        regs = {f"${2 * n_out}": word, f"${2 * n_out + 1}": pair(scale), f"${2 * n_out + 2}": pair(scale),
+                f"${2 * n_out + 3}": pair(zc), f"${2 * n_out + 4}": pair(zc)}
+        out = run_ptx(ptx, regs)
+        for k in range(n_out):
+            got = np.array([out[f"${2 * k}"], out[f"${2 * k + 1}"]], dtype=np.uint32).view(np.float16)
+            want = ((codes[:, k] - mid) * np.float64(scale) + np.float64(zc)).astype(np.float16)
+            assert np.array_equal(got, want), (k, codes[:, k], got, want)
+            # and that is code * scale + zero up to one fp16 rounding of the centred zero and of the result
+            np.testing.assert_allclose(got.astype(np.float64), codes[:, k] * float(scale) + float(zero),
+                                       rtol=2e-3, atol=2e-3 * (abs(float(zc)) + float(scale) * mid))
+
+
+# --- the kernel on the GPU ------------------------------------------------------------------------------------
+
+if GPU:
+    from test_mla_decode import check, fill, queries  # noqa: E402
+
+LENS = [0, 1, 7, 131, 132, 133, 200, 257, 700, 4097]
+
+
+def _run(fmts, H, lens=LENS, dc=512, dr=64, splits=None, odt=torch.float32, sink=4, recent=128, seed=0, page=64):
+    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, lens, page=page, recent=recent, sink=sink, seed=seed)
+    qn, qp = queries(len(lens), H, dc, dr)
+    assert mh.unsupported_reason(cache, H, qn.device) is None
+    out, lse = mh.mla_decode_many_heads(qn, qp, cache, table, seq_lens, slots, 0.05, max_seq_len=max(lens),
+                                        out_dtype=odt, num_splits=splits)
+    assert out.dtype == odt and out.shape == (len(lens), H, dc) and lse.shape == (len(lens), H)
+    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
+    return cache
+
+
+@needs_hopper
+@pytest.mark.parametrize("fmts", [("int4", "int4"), ("int2", "int4"), ("fp8", "bf16"), ("fp8:0", "fp8:0")])
+@pytest.mark.parametrize("H", [128, 40])
+def test_kernel_matches_reference(fmts, H):
+    _run(fmts, H)
+
+
+@needs_hopper
+@pytest.mark.parametrize("splits", [1, 3, 7])
+def test_kernel_splits_and_bf16_out(splits):
+    _run(("int4", "int4"), 64, splits=splits, odt=torch.bfloat16, seed=splits)
+
+
+@needs_hopper
+@pytest.mark.parametrize("sink,recent,page", [(0, 0, 64), (0, 64, 64), (70, 8, 128)])
+def test_kernel_windows_and_pages(sink, recent, page):
+    """No protected rows, a window with no sink, a sink past the first tile of a page of two tiles."""
+    _run(("int4", "int4"), 128, lens=[0, 5, 64, 65, 78, 79, 300, 1000], sink=sink, recent=recent, page=page)
+
+
+@needs_hopper
+def test_kernel_minicpm3_dims_and_one_head():
+    _run(("int4", "int4:32"), 40, dc=256, dr=32)
+    _run(("int2", "int4"), 1)
+
+
+@needs_hopper
+def test_kernel_packed_rows():
+    """Pools whose rows lie further apart than their width (fields of one packed row, as in vLLM)."""
+    cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, LENS, page=64, recent=128)
+
+    def widen(t, pad):
+        buf = torch.full((*t.shape[:2], t.shape[2] + pad), 0x7F if t.dtype == torch.uint8 else float("nan"),
+                         dtype=t.dtype, device=t.device)  # fmt: skip
+        buf[..., : t.shape[2]] = t
+        return buf[..., : t.shape[2]]
+
+    def path(p, code_pad, sz_pad):
+        return PagedPath(p.fmt, p.dim, widen(p.codes, code_pad), widen(p.scale, sz_pad), widen(p.zero, sz_pad))
+
+    packed = replace(cache, content=path(cache.content, 48, 3), rope=path(cache.rope, 80, 5))
+    assert mh.unsupported_reason(packed, 128, torch.device("cuda")) is None
+    qn, qp = queries(len(LENS), 128, 512, 64)
+    out, lse = mh.mla_decode_many_heads(qn, qp, packed, table, seq_lens, slots, 0.05, max_seq_len=max(LENS))
+    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
+
+
+@needs_hopper
+def test_mla_decode_runs_it_when_asked_and_by_default_at_many_heads(monkeypatch):
+    from quantmla.kernels import mla_decode_cuda as mdc
+    from quantmla.kernels.mla_decode import mla_decode
+
+    cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, [500, 90], page=64, recent=128)
+    qn, qp = queries(2, 128, 512, 64)
+    called = []
+    real = mh.mla_decode_many_heads
+    monkeypatch.setattr(mh, "mla_decode_many_heads", lambda *a, **k: called.append(1) or real(*a, **k))
+    monkeypatch.delenv(mdc.ENV, raising=False)
+    assert mdc.decode_kernel_name(cache, 128, qn.device, batch=2) == "heads"
+    out, lse = mla_decode(qn, qp, cache, table, seq_lens, slots, 0.05, max_seq_len=500)
+    monkeypatch.setenv(mdc.ENV, "heads")
+    out16, lse16 = mla_decode(qn[:, :16], qp[:, :16], cache, table, seq_lens, slots, 0.05, max_seq_len=500)
+    assert len(called) == 2
+    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
+    check(out16, lse16, *mla_decode_reference(qn[:, :16], qp[:, :16], cache, table, seq_lens, slots, 0.05))
+
+
+@needs_hopper
+def test_kernel_cuda_graph_capture_and_replay():
+    lens = [200, 300, 1000]  # replayed lengths stay within what was written (unwritten rows are NaN)
+    cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, lens, page=64, recent=128)
+    qn, qp = (q.bfloat16() for q in queries(3, 128, 512, 64))
+    lens_dev = seq_lens.clone()
+    run = lambda: mh.mla_decode_many_heads(qn, qp, cache, table, lens_dev, slots, 0.05, max_seq_len=1000)  # noqa: E731
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run()
+    for new in ([200, 300, 1000], [0, 133, 777], [132, 1, 999]):
+        lens_dev.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        check(out, lse, *mla_decode_reference(qn, qp, cache, table, lens_dev, slots, 0.05))
