@@ -38,6 +38,16 @@ def test_refusals_name_the_problem(fmts, dc, dr, page, want):
     assert want in mh.unsupported_reason(cache, 128, torch.device("cpu"))
 
 
+@pytest.mark.parametrize("version,ok", [("3.5.1", False), ("3.6.0", True), ("3.9.0", True), ("3.10.0", False),
+                                        ("4.0.0+git1234", False)])  # fmt: skip
+def test_refuses_triton_releases_it_is_not_built_for(monkeypatch, version, ok):
+    if mh.gluon is None:
+        pytest.skip("triton.experimental.gluon is not available")
+    monkeypatch.setattr(mh.triton, "__version__", version)
+    why = mh.unsupported_reason(_cache(("int4", "int4")), 128, torch.device("cpu"))
+    assert ("Triton" in why) != ok and (ok or version in why)
+
+
 def run_ptx(ptx: str, regs: dict[str, int]) -> dict[str, int]:
     """Execute the few PTX instructions `_dequant_ptx` uses on 32-bit integer registers (f16x2 arithmetic in
     numpy float16, one rounding per fma as the hardware does: the exact product-sum rounded once)."""

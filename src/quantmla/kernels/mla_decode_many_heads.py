@@ -55,6 +55,10 @@ BLOCK_H, BLOCK_N, NUM_WARPS = 64, 64, 8
 # prefetch distance in tiles.
 VARIANT = dict(PF_AHEAD=2)
 KINDS = {"bf16": 0, "fp8": 1, "int4": 2, "int2": 2}
+# Triton releases [first, past the last) the kernel compiles with for sm_90: 3.6 runs it on the H200 (tests and
+# benchmarks); 3.7.1, 3.8.0 and 3.9.0 compile it offline (3.9.0 with 184 bytes of spills). Gluon is experimental
+# and its API changes between releases, so "auto" leaves other versions to Triton's kernel.
+TRITON_VERSIONS = ((3, 6), (3, 10))
 
 try:  # Gluon is experimental: Triton 3.6 has it; elsewhere the module imports and refuses to launch
     import triton
@@ -62,6 +66,8 @@ try:  # Gluon is experimental: Triton 3.6 has it; elsewhere the module imports a
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
 
+    # one barrier of the CTA's threads: `thread_barrier` in Triton 3.6, `barrier` from 3.7 on
+    _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
     _GLUON_ERROR = None
 except Exception as e:  # pragma: no cover - exercised where gluon is missing or different
     gluon = None
@@ -297,12 +303,12 @@ if gluon is not None:
                   R_GROUP, R_GB, R_SCALED, C_ROW, C_SZ_ROW, R_ROW, R_SZ_ROW, PAGE, SINK, C_RING, R_RING, LC, LR,
                   LPC, LPR)
             fence_async_shared()
-            gl.thread_barrier()
+            _barrier()
             s = warpgroup_mma_wait(0, deps=[_scores(q_s, qr_s, k_s, kr_s, 0, S_L)])
             p, alpha, m_i, l_i = _softmax(s, t_start, nt_q, t_lo, q_hi, n_p, qk_scale, m_i, l_i, SINK, S_L)
             p_s.store(p.to(gl.float16))
             fence_async_shared()
-            gl.thread_barrier()
+            _barrier()
         for t in range(t_start, t_end):
             i = (t - t_start) % 2
             o_run = warpgroup_mma(p_s, k_s.index(i), o, is_async=True)
@@ -316,15 +322,15 @@ if gluon is not None:
                     _prefetch_tile(t + PF_AHEAD, t_lo, bt_row, cc_ptr, cs_ptr, cz_ptr, rc_ptr, rs_ptr, rz_ptr, C_ROW,
                                    C_SZ_ROW, R_ROW, R_SZ_ROW, DC * C_BITS // 8, DR * R_BITS // 8, PAGE, PF)
                 fence_async_shared()
-                gl.thread_barrier()
+                _barrier()
                 s_run = _scores(q_s, qr_s, k_s, kr_s, 1 - i, S_L)
                 o = warpgroup_mma_wait(1, deps=[o_run])  # groups complete in order: tile t's P . K is done
                 s = warpgroup_mma_wait(0, deps=[s_run])
                 p, alpha, m_i, l_i = _softmax(s, t + 1, nt_q, t_lo, q_hi, n_p, qk_scale, m_i, l_i, SINK, S_L)
-                gl.thread_barrier()  # both warpgroups' MMAs that read p_s are done
+                _barrier()  # both warpgroups' MMAs that read p_s are done
                 p_s.store(p.to(gl.float16))
                 fence_async_shared()
-                gl.thread_barrier()
+                _barrier()
                 o = o * gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
             else:
                 o = warpgroup_mma_wait(0, deps=[o_run])
@@ -347,6 +353,11 @@ if gluon is not None:
 # ---------------------------------------------------------------------------------------------------------
 
 
+def _triton_version() -> tuple[int, int]:
+    major, minor = (int("".join(c for c in x if c.isdigit()) or 0) for x in triton.__version__.split(".")[:2])
+    return major, minor
+
+
 def _path_consts(path) -> tuple[int, int, int, int, bool]:
     """(KIND, BITS, GROUP, GB, SCALED) of a path: GB is the bytes of codes per group (bf16: one group of dim
     elements)."""
@@ -362,6 +373,10 @@ def unsupported_reason(cache: PagedMLACache, num_heads: int, device) -> str | No
     """None when `mla_decode_many_heads` can run this cache, head count and device; else why not."""
     if gluon is None:
         return f"triton.experimental.gluon is not available ({_GLUON_ERROR})"
+    if not TRITON_VERSIONS[0] <= _triton_version() < TRITON_VERSIONS[1]:
+        return (f"is built for Triton {TRITON_VERSIONS[0][0]}.{TRITON_VERSIONS[0][1]} to "
+                f"{TRITON_VERSIONS[1][0]}.{TRITON_VERSIONS[1][1] - 1} (Gluon's API changes between releases), "
+                f"got {triton.__version__}")
     dc, dr = cache.kv_lora_rank, cache.rope_dim
     if dc & (dc - 1) or dr & (dr - 1) or dc < 64 or dr < 16 or dc > 512 or dr > 128:
         return f"needs power-of-two dims, kv_lora_rank 64..512 and rope 16..128, got {dc}/{dr}"
