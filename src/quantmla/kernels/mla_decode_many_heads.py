@@ -9,7 +9,7 @@ Contract: the same as `quantmla.kernels.mla_decode.mla_decode` (which runs it wh
 No host syncs when max_seq_len is given: CUDA-graph capturable (compile outside the capture).
 
 What it takes (`unsupported_reason` names the first thing that is not; Triton's kernel reads the rest):
-  - a CUDA device of compute capability 9.x (wgmma), Triton with `triton.experimental.gluon` (3.6);
+  - a CUDA device of compute capability 9.x (wgmma), Triton 3.6-3.9 with `triton.experimental.gluon`;
   - content int4 / int2 / fp8 in channel groups (fp8 also without a scale), rope the same or bf16; no ranked or
     token-axis paths; power-of-two kv_lora_rank 64..512 and rope dims 16..128;
   - pages of a multiple of 64 tokens; bf16 protected rows (sink + ring), contiguous; pools of whole rows (row
