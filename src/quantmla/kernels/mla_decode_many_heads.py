@@ -477,7 +477,9 @@ def mla_decode_many_heads(
     num_sms: int | None = None,
     variant: dict | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """See the module docstring. Raises ValueError naming what it does not support."""
+    """See the module docstring. num_splits: None for `default_splits`. variant: experiments' overrides of
+    VARIANT's constexprs, and "min_split" for `default_splits`. Raises ValueError naming what it does not
+    support."""
     B, H, dc = q_nope_absorbed.shape
     dev = q_nope_absorbed.device
     why = unsupported_reason(cache, H, dev)
@@ -490,8 +492,9 @@ def mla_decode_many_heads(
     if num_sms is None:
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     variant = dict(variant or {})
+    min_split = variant.pop("min_split", 256)
     if num_splits is None:
-        num_splits = default_splits(B, H, max_seq_len, num_sms, variant.pop("min_split", 256))
+        num_splits = default_splits(B, H, max_seq_len, num_sms, min_split)
     if slots is None:
         slots = torch.arange(B, dtype=torch.int32, device=dev)
     from quantmla.kernels.mla_decode import combine_splits, split_outputs
