@@ -53,6 +53,7 @@ profiles: docs/design.md, "Decode kernels", and benchmarks/results/decode_kernel
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 from dataclasses import dataclass
@@ -67,7 +68,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is missing
     triton = None
 
 from quantmla.cache.paged import PagedMLACache, PagedPath
-from quantmla.kernels.mla_decode_cuda import decode_kernel_name, mla_decode_cuda
+from quantmla.kernels.mla_decode_cuda import decode_kernel_name
 from quantmla.mla import latent_attention
 
 LOG2E = 1.4426950408889634
@@ -730,6 +731,15 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
+# The other kernels' launchers by `decode_kernel_name`'s name: (module, function), looked up at each call. They
+# share `mla_decode`'s contract, plus num_sms.
+LAUNCHERS = {
+    "cuda": ("quantmla.kernels.mla_decode_cuda", "mla_decode_cuda"),
+    "heads": ("quantmla.kernels.mla_decode_many_heads", "mla_decode_many_heads"),
+    "gluon": ("quantmla.kernels.mla_decode_gluon", "mla_decode_gluon"),
+}
+
+
 def mla_decode(
     q_nope_absorbed: torch.Tensor,
     q_pe: torch.Tensor,
@@ -772,22 +782,11 @@ def mla_decode(
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if B else 0
     kernel = decode_kernel_name(cache, H, dev, batch=B) if config is None else "triton"
-    if kernel == "gluon":
-        from quantmla.kernels import mla_decode_gluon as _gluon
-
-        return _gluon.mla_decode_gluon(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale,
-                                       max_seq_len=max_seq_len, out_dtype=out_dtype, num_splits=num_splits,
-                                       num_sms=_sm_count(dev))  # fmt: skip
-    if kernel == "heads":
-        from quantmla.kernels.mla_decode_many_heads import mla_decode_many_heads
-
-        return mla_decode_many_heads(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale,
-                                     max_seq_len=max_seq_len, out_dtype=out_dtype, num_splits=num_splits,
-                                     num_sms=_sm_count(dev))  # fmt: skip
-    if kernel == "cuda":
-        return mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale,
-                               max_seq_len=max_seq_len, out_dtype=out_dtype, num_splits=num_splits,
-                               num_sms=_sm_count(dev))  # fmt: skip
+    if kernel in LAUNCHERS:
+        module, name = LAUNCHERS[kernel]
+        launch = getattr(importlib.import_module(module), name)
+        return launch(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, max_seq_len=max_seq_len,
+                      out_dtype=out_dtype, num_splits=num_splits, num_sms=_sm_count(dev))  # fmt: skip
     cfg = config or default_config(cache, H)
     if num_splits is None:
         num_splits = num_splits_for(B, H, max_seq_len, cfg, _sm_count(dev))

@@ -413,4 +413,4 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
     return out, lse
 
 
-__all__ = ["ENV", "auto_cuda_max_batch", "auto_prefers_cuda", "body_splits", "decode_kernel_name", "mla_decode_cuda", "prepare", "unsupported_reason"]
+__all__ = ["ENV", "auto_cuda_max_batch", "auto_kernel", "auto_prefers_cuda", "body_splits", "decode_kernel_name", "mla_decode_cuda", "prepare", "unsupported_reason"]

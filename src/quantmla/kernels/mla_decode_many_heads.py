@@ -387,7 +387,7 @@ def unsupported_reason(cache: PagedMLACache, num_heads: int, device) -> str | No
         if f.kind == "bf16" and name == "content":
             return "does not read a bf16 content path (the Triton kernel does)"
         group = f.group or path.dim
-        if f.kind != "bf16" and (group & (group - 1) or group * (f.bits or 16) < 32):
+        if f.kind != "bf16" and (group & (group - 1) or group * f.bits < 32):
             return f"needs {name} groups of a power of two, at least 4 bytes of codes, got {f}"
         if (why := path.row_layout_problem(row_align=4, base_align=16)) is not None:
             return why
@@ -413,7 +413,7 @@ def _code_layout(dim: int, group: int, bits: int, vec: int = 16):
     the dequantized tile writes one 16-byte chunk of as many rows as possible, which the 128-byte swizzle of
     the tile puts in different banks (lanes along the groups instead write the same chunk of 8 groups of one
     row: an 8-way bank conflict)."""
-    ng, gb = dim // group, group * bits // 8
+    gb = group * bits // 8
     vec = min(gb, vec)
     lanes_b = min(gb // vec, 32)
     lanes_t = 32 // lanes_b
@@ -429,7 +429,7 @@ def _row_layout(dim: int):
 
 
 def _path_layout(path, dim: int):
-    kind, bits, group, gb, _ = _path_consts(path)
+    kind, bits, group, _, _ = _path_consts(path)
     if kind == 0:  # bf16 values: one group of dim elements, 8 (16 bytes) per thread
         return _code_layout(dim, dim, 8, vec=8)
     return _code_layout(dim, group, bits)
