@@ -16,7 +16,7 @@ if not torch.cuda.is_available():
 triton = pytest.importorskip("triton", reason="the decode kernel needs triton")
 import triton.language as tl  # noqa: E402
 
-from quantmla.cache.paged import PagedMLACache, make_block_tables  # noqa: E402
+from quantmla.cache.paged import PagedMLACache, PagedPath, make_block_tables  # noqa: E402
 from quantmla.config import CacheConfig  # noqa: E402
 from quantmla.kernels.mla_decode import (KernelConfig, _split_codes, default_config, mla_decode,  # noqa: E402
                                          mla_decode_reference)
@@ -212,8 +212,15 @@ def test_token_axis_blocks_must_divide_the_page_and_bytes_are_counted_exactly():
 
 
 def _run_ptx(text: str, operands: dict[int, int]) -> dict[int, int]:
-    """Execute the few PTX instructions `_int_dequant_ptx` emits on 32-bit registers; operands maps $i to its
-    register value; returns every register afterwards (by $i for operands)."""
+    """Execute the few PTX instructions `_int_dequant_ptx` (and the many-heads kernel's fp16 `_dequant_ptx`)
+    emit on 32-bit registers; operands maps $i to its register value; returns every register afterwards (by $i
+    for operands). Each fma rounds the exact a * b + c once, as fma.rn does."""
+    def f16(bits):
+        return torch.tensor([bits], dtype=torch.int32).to(torch.int16).view(torch.float16).double().item()
+
+    def to_f16(x):  # the exact value x (a double) rounded to fp16, nearest even
+        return torch.tensor([x], dtype=torch.float64).to(torch.float16).view(torch.int16).item() & 0xFFFF
+
     def bf16(bits):
         return torch.tensor([bits << 16], dtype=torch.int64).to(torch.int32).view(torch.float32).item()
 
@@ -245,6 +252,13 @@ def _run_ptx(text: str, operands: dict[int, int]) -> dict[int, int]:
         elif op == "fma.rn.bf16x2":
             a, b, c = map(val, src)
             out = sum(to_bf16(bf16(a >> h & 0xFFFF) * bf16(b >> h & 0xFFFF) + bf16(c >> h & 0xFFFF)) << h
+                      for h in (0, 16))
+        elif op == "sub.f16x2":
+            a, b = map(val, src)
+            out = sum(to_f16(f16(a >> h & 0xFFFF) - f16(b >> h & 0xFFFF)) << h for h in (0, 16))
+        elif op == "fma.rn.f16x2":
+            a, b, c = map(val, src)
+            out = sum(to_f16(f16(a >> h & 0xFFFF) * f16(b >> h & 0xFFFF) + f16(c >> h & 0xFFFF)) << h
                       for h in (0, 16))
         else:
             raise AssertionError(f"unexpected PTX instruction {op}")
@@ -523,3 +537,61 @@ def test_decode_step_writer_and_kernel_in_one_cuda_graph(fmts):
         check(out, lse, *mla_decode_reference(qn, qp, eager, table, lens_dev, slots, 0.05))
     for a, b in zip(cache.content.tensors() + cache.rope.tensors(), eager.content.tensors() + eager.rope.tensors()):
         assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+
+
+# --- shared by the other kernels' tests (the CUDA and the many-heads kernel) -----------------------------------
+
+
+def kernel_matches_reference(decode, unsupported, fmts, H, lens, dc=512, dr=64, splits=None, odt=torch.float32,
+                             sink=4, recent=128, seed=0, page=64):
+    """A cache of `lens` (`fill`), decoded by `decode` (a launcher with `mla_decode`'s contract, which
+    `unsupported(cache, H, device)` must accept) and checked against `mla_decode_reference`; returns the cache."""
+    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, lens, page=page, recent=recent, sink=sink, seed=seed)
+    qn, qp = queries(len(lens), H, dc, dr)
+    assert unsupported(cache, H, qn.device) is None
+    out, lse = decode(qn, qp, cache, table, seq_lens, slots, 0.05, max_seq_len=max(lens), out_dtype=odt,
+                      num_splits=splits)
+    assert out.dtype == odt and out.shape == (len(lens), H, dc) and lse.shape == (len(lens), H)
+    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
+    return cache
+
+
+def packed_rows(cache, pads):
+    """`cache` with pools whose rows lie further apart than their width (fields of one packed row, as in vLLM),
+    the padding NaN (0x7F codes): pads = extra elements per row of (content codes, content scale / zero, rope
+    codes, rope scale / zero)."""
+    def widen(t, pad):
+        if t is None:
+            return None
+        buf = torch.full((*t.shape[:2], t.shape[2] + pad), 0x7F if t.dtype == torch.uint8 else float("nan"),
+                         dtype=t.dtype, device=t.device)  # fmt: skip
+        buf[..., : t.shape[2]] = t
+        return buf[..., : t.shape[2]]
+
+    def path(p, code_pad, sz_pad):
+        return PagedPath(p.fmt, p.dim, widen(p.codes, code_pad), widen(p.scale, sz_pad), widen(p.zero, sz_pad))
+
+    packed = replace(cache, content=path(cache.content, *pads[:2]), rope=path(cache.rope, *pads[2:]))
+    assert packed.content.codes.stride(1) > packed.content.codes.shape[2]
+    return packed
+
+
+@pytest.mark.parametrize("kernel,module,name", [
+    ("cuda", "quantmla.kernels.mla_decode_cuda", "mla_decode_cuda"),
+    ("heads", "quantmla.kernels.mla_decode_many_heads", "mla_decode_many_heads"),
+    ("gluon", "quantmla.kernels.mla_decode_gluon", "mla_decode_gluon"),
+])  # fmt: skip
+def test_a_forced_kernel_reaches_its_launcher(monkeypatch, kernel, module, name):
+    """$QUANTMLA_DECODE_KERNEL=kernel: mla_decode hands the call, as it got it, to that kernel's launcher."""
+    import importlib
+
+    from quantmla.kernels.mla_decode_cuda import ENV
+
+    calls = []
+    monkeypatch.setattr(importlib.import_module(module), name, lambda *a, **k: calls.append((a, k)) or "out")
+    monkeypatch.setenv(ENV, kernel)
+    cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, [70], page=64)
+    qn, qp = queries(1, 16, 512, 64)
+    assert mla_decode(qn, qp, cache, table, seq_lens, slots, 0.1, max_seq_len=70, num_splits=3) == "out"
+    (args, kw), = calls
+    assert args[2] is cache and args[6] == 0.1 and kw["max_seq_len"] == 70 and kw["num_splits"] == 3

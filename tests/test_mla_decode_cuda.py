@@ -10,7 +10,6 @@ q . codes^T per scale group and P (128 + codes).
 import contextlib
 import importlib.util
 import os
-from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +19,6 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from quantmla.cache.paged import PagedPath  # noqa: E402
 from quantmla.kernels import mla_decode_cuda as mdc  # noqa: E402
 
 GPU = torch.cuda.is_available() and mdc._nvcc() is not None
@@ -306,7 +304,7 @@ def test_body_splits(batch, length, want):
 # --- the kernel on the GPU ------------------------------------------------------------------------------------
 
 if GPU:
-    from test_mla_decode import check, fill, queries  # noqa: E402
+    from test_mla_decode import check, fill, kernel_matches_reference, packed_rows, queries  # noqa: E402
 
     from quantmla.kernels.mla_decode import mla_decode, mla_decode_reference  # noqa: E402
 
@@ -314,15 +312,8 @@ if GPU:
 LENS = [0, 1, 7, 131, 132, 133, 200, 257, 700, 4097]
 
 
-def _run(fmts, H, lens=LENS, dc=512, dr=64, splits=None, odt=torch.float32, sink=4, recent=128, seed=0, page=64):
-    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, lens, page=page, recent=recent, sink=sink, seed=seed)
-    qn, qp = queries(len(lens), H, dc, dr)
-    assert mdc.unsupported_reason(cache, H, qn.device) is None
-    out, lse = mdc.mla_decode_cuda(qn, qp, cache, table, seq_lens, slots, 0.05, max_seq_len=max(lens),
-                                   out_dtype=odt, num_splits=splits)  # fmt: skip
-    assert out.dtype == odt and out.shape == (len(lens), H, dc) and lse.shape == (len(lens), H)
-    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
-    return cache
+def _run(fmts, H, lens=LENS, **kw):
+    return kernel_matches_reference(mdc.mla_decode_cuda, mdc.unsupported_reason, fmts, H, lens, **kw)
 
 
 @needs_gpu
@@ -386,20 +377,7 @@ def test_cuda_kernel_packed_rows(fmts, pads):
     elements per row of (content codes, content scale / zero, rope codes, rope scale / zero); a bf16 rope row
     of 72 elements is 144 bytes, 16-byte aligned."""
     cache, table, seq_lens, slots, _, _ = fill(fmts, 512, 64, LENS, page=64, recent=128)
-
-    def widen(t, pad):
-        if t is None:
-            return None
-        buf = torch.full((*t.shape[:2], t.shape[2] + pad), 0x7F if t.dtype == torch.uint8 else float("nan"),
-                         dtype=t.dtype, device=t.device)  # fmt: skip
-        buf[..., : t.shape[2]] = t
-        return buf[..., : t.shape[2]]
-
-    def path(p, code_pad, sz_pad):
-        return PagedPath(p.fmt, p.dim, widen(p.codes, code_pad), widen(p.scale, sz_pad), widen(p.zero, sz_pad))
-
-    packed = replace(cache, content=path(cache.content, *pads[:2]), rope=path(cache.rope, *pads[2:]))
-    assert packed.content.codes.stride(1) > packed.content.codes.shape[2]
+    packed = packed_rows(cache, pads)
     assert mdc.unsupported_reason(packed, 16, torch.device("cuda")) is None
     qn, qp = queries(len(LENS), 16, 512, 64)
     out, lse = mdc.mla_decode_cuda(qn, qp, packed, table, seq_lens, slots, 0.05, max_seq_len=max(LENS))

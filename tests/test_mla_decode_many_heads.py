@@ -2,12 +2,10 @@
 machine; on an sm_90 GPU with triton.experimental.gluon, the kernel against the fp64 reference on awkward
 shapes (empty, shorter than the window, page crossings, odd lengths, NaN in every unused row)."""
 
-from dataclasses import replace
-
 import pytest
 import torch
 
-from quantmla.cache.paged import PagedMLACache, PagedPath
+from quantmla.cache.paged import PagedMLACache
 from quantmla.config import CacheConfig
 from quantmla.kernels import mla_decode_many_heads as mh
 from quantmla.kernels.mla_decode import mla_decode_reference
@@ -25,17 +23,13 @@ def _cache(fmts, dc=512, dr=64, page=64):
     (("bf16", "bf16"), 512, 64, 64, "bf16 content"),
     (("int8", "int4"), 512, 64, 64, "content path stored as int8"),
     (("int4", "int4"), 512, 64, 32, "pages of a multiple of 64"),
-    (("int4", "int4"), 512, 48, 64, "power-of-two dims"),
+    (("int4", "int4:16"), 512, 48, 64, "power-of-two dims"),
     (("int4", "int4"), 512, 64, 64, "not a CUDA device"),
 ])  # fmt: skip
 def test_refusals_name_the_problem(fmts, dc, dr, page, want):
     if mh.gluon is None:
         pytest.skip("triton.experimental.gluon is not available")
-    try:
-        cache = _cache(fmts, dc, dr, page)
-    except ValueError as e:  # a format the cache itself refuses at these dims
-        pytest.skip(str(e))
-    assert want in mh.unsupported_reason(cache, 128, torch.device("cpu"))
+    assert want in mh.unsupported_reason(_cache(fmts, dc, dr, page), 128, torch.device("cpu"))
 
 
 @pytest.mark.parametrize("version,ok", [("3.5.1", False), ("3.6.0", True), ("3.9.0", True), ("3.10.0", False),
@@ -48,54 +42,13 @@ def test_refuses_triton_releases_it_is_not_built_for(monkeypatch, version, ok):
     assert ("Triton" in why) != ok and (ok or version in why)
 
 
-def run_ptx(ptx: str, regs: dict[str, int]) -> dict[str, int]:
-    """Execute the few PTX instructions `_dequant_ptx` uses on 32-bit integer registers (f16x2 arithmetic in
-    numpy float16, one rounding per fma as the hardware does: the exact product-sum rounded once)."""
-    import re
-
-    import numpy as np
-
-    def halves(x):
-        return np.array([x & 0xFFFF, x >> 16], dtype=np.uint16).view(np.float16)
-
-    def word(h):
-        u = np.asarray(h, dtype=np.float16).view(np.uint16).astype(np.int64)
-        return int(u[0] | (u[1] << 16))
-
-    def val(a):
-        return int(a, 16) if a.startswith("0x") else regs[a]
-
-    for line in ptx.splitlines():
-        m = re.match(r"(\S+) (.*);$", line.strip())
-        if not m or m.group(1).startswith("."):
-            continue
-        op, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
-        d, src = args[0], args[1:]
-        if op == "mov.b32":
-            regs[d] = val(src[0])
-        elif op == "prmt.b32":
-            x, sel = val(src[0]), val(src[2])
-            regs[d] = sum(((x >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
-        elif op == "shr.u32":
-            regs[d] = val(src[0]) >> int(src[1])
-        elif op == "lop3.b32":
-            assert src[3] == "0xEA"  # (a & b) | c
-            regs[d] = (val(src[0]) & val(src[1])) | val(src[2])
-        elif op == "sub.f16x2":
-            regs[d] = word(halves(val(src[0])) - halves(val(src[1])))
-        elif op == "fma.rn.f16x2":
-            a, b, c = (halves(val(x)).astype(np.float64) for x in src)
-            regs[d] = word((a * b + c).astype(np.float16))
-        else:
-            raise AssertionError(f"unexpected PTX op {op}")
-    return regs
-
-
 @pytest.mark.parametrize("bits", [4, 2])
 def test_dequant_ptx_gives_code_times_scale_plus_zero(bits):
-    """`_dequant_ptx` on every code in every byte position: output tensor k, element e holds code k of byte e
-    (the kernel's join of the outputs relies on it), as (code - mid) * scale + (zero + mid * scale) in fp16."""
+    """`_dequant_ptx` on every code in every byte position, executed by test_mla_decode's PTX interpreter: output
+    tensor k, element e holds code k of byte e (the kernel's join of the outputs relies on it), as
+    (code - mid) * scale + (zero + mid * scale) in fp16."""
     import numpy as np
+    from test_mla_decode import _run_ptx
 
     n_out, mid = 8 // bits, 1 << (bits - 1)
     ptx = mh._dequant_ptx(bits)
@@ -106,9 +59,8 @@ def test_dequant_ptx_gives_code_times_scale_plus_zero(bits):
         scale, zero = np.float16(g.uniform(0.01, 2)), np.float16(g.uniform(-5, 5))
         zc = np.float16(np.float32(zero) + mid * np.float32(scale))
         pair = lambda v: int(np.array([v, v], dtype=np.float16).view(np.uint32)[0])  # noqa: E731
-        regs = {f"${2 * n_out}": word, f"${2 * n_out + 1}": pair(scale), f"${2 * n_out + 2}": pair(scale),
-                f"${2 * n_out + 3}": pair(zc), f"${2 * n_out + 4}": pair(zc)}
-        out = run_ptx(ptx, regs)
+        out = _run_ptx(ptx, {2 * n_out: word, 2 * n_out + 1: pair(scale), 2 * n_out + 2: pair(scale),
+                             2 * n_out + 3: pair(zc), 2 * n_out + 4: pair(zc)})
         for k in range(n_out):
             got = np.array([out[f"${2 * k}"], out[f"${2 * k + 1}"]], dtype=np.uint32).view(np.float16)
             want = ((codes[:, k] - mid) * np.float64(scale) + np.float64(zc)).astype(np.float16)
@@ -121,20 +73,13 @@ def test_dequant_ptx_gives_code_times_scale_plus_zero(bits):
 # --- the kernel on the GPU ------------------------------------------------------------------------------------
 
 if GPU:
-    from test_mla_decode import check, fill, queries  # noqa: E402
+    from test_mla_decode import check, fill, kernel_matches_reference, packed_rows, queries  # noqa: E402
 
 LENS = [0, 1, 7, 131, 132, 133, 200, 257, 700, 4097]
 
 
-def _run(fmts, H, lens=LENS, dc=512, dr=64, splits=None, odt=torch.float32, sink=4, recent=128, seed=0, page=64):
-    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, lens, page=page, recent=recent, sink=sink, seed=seed)
-    qn, qp = queries(len(lens), H, dc, dr)
-    assert mh.unsupported_reason(cache, H, qn.device) is None
-    out, lse = mh.mla_decode_many_heads(qn, qp, cache, table, seq_lens, slots, 0.05, max_seq_len=max(lens),
-                                        out_dtype=odt, num_splits=splits)
-    assert out.dtype == odt and out.shape == (len(lens), H, dc) and lse.shape == (len(lens), H)
-    check(out, lse, *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.05))
-    return cache
+def _run(fmts, H, lens=LENS, **kw):
+    return kernel_matches_reference(mh.mla_decode_many_heads, mh.unsupported_reason, fmts, H, lens, **kw)
 
 
 @needs_hopper
@@ -167,17 +112,7 @@ def test_kernel_minicpm3_dims_and_one_head():
 def test_kernel_packed_rows():
     """Pools whose rows lie further apart than their width (fields of one packed row, as in vLLM)."""
     cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, LENS, page=64, recent=128)
-
-    def widen(t, pad):
-        buf = torch.full((*t.shape[:2], t.shape[2] + pad), 0x7F if t.dtype == torch.uint8 else float("nan"),
-                         dtype=t.dtype, device=t.device)  # fmt: skip
-        buf[..., : t.shape[2]] = t
-        return buf[..., : t.shape[2]]
-
-    def path(p, code_pad, sz_pad):
-        return PagedPath(p.fmt, p.dim, widen(p.codes, code_pad), widen(p.scale, sz_pad), widen(p.zero, sz_pad))
-
-    packed = replace(cache, content=path(cache.content, 48, 3), rope=path(cache.rope, 80, 5))
+    packed = packed_rows(cache, (48, 3, 80, 5))
     assert mh.unsupported_reason(packed, 128, torch.device("cuda")) is None
     qn, qp = queries(len(LENS), 128, 512, 64)
     out, lse = mh.mla_decode_many_heads(qn, qp, packed, table, seq_lens, slots, 0.05, max_seq_len=max(LENS))
