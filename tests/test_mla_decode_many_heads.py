@@ -70,6 +70,31 @@ def test_dequant_ptx_gives_code_times_scale_plus_zero(bits):
                                        rtol=2e-3, atol=2e-3 * (abs(float(zc)) + float(scale) * mid))
 
 
+@pytest.mark.parametrize("sink,recent", [(0, 0), (4, 128), (70, 8), (64, 64)])
+def test_tiles_walked_counts_the_quantized_positions_tiles_and_the_protected_rows(sink, recent):
+    """Positions [sink, L - recent) are quantized and read by the 64-aligned tiles that hold them; the other
+    rows are protected and read 64 at a time."""
+    for length in [0, 1, 3, 63, 64, 65, 131, 132, 133, 200, 1000, 4096, 16384]:
+        quantized = range(sink, max(length - recent, sink))
+        tiles = len({p // 64 for p in quantized}) + -(-(length - len(quantized)) // 64)
+        assert mh.tiles_walked(length, sink, recent) == tiles, length
+
+
+@pytest.mark.parametrize("heads", [16, 64, 128])
+@pytest.mark.parametrize("batch", [1, 2, 5, 16, 64])
+def test_default_splits_leave_no_split_empty(heads, batch):
+    """The kernel gives split s tiles [s * per, (s + 1) * per), per = ceil(tiles / splits): every split has
+    tiles, there is no more than one split per min_split tokens (4 tiles), and no more CTAs than about one per
+    SM unless the batch alone makes more."""
+    for length in [1, 100, 300, 4096, 16384, 65536, 100000]:
+        tiles = mh.tiles_walked(length, 4, 128)
+        splits = mh.default_splits(batch, heads, length, 132, sink=4, recent=128)
+        per = -(-tiles // splits)
+        assert -(-tiles // per) == splits, (length, splits)
+        assert splits <= max(1, -(-tiles // 4)), (length, splits)
+        assert splits * batch * -(-heads // 64) <= max(132 + 66, batch * -(-heads // 64)), (length, splits)
+
+
 # --- the kernel on the GPU ------------------------------------------------------------------------------------
 
 if GPU:

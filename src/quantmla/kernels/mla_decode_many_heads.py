@@ -398,13 +398,28 @@ def unsupported_reason(cache: PagedMLACache, num_heads: int, device) -> str | No
     return hopper_reason(cache, device)
 
 
-def default_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, min_split: int = 256) -> int:
-    """Splits per sequence: about one CTA per SM (one fits: 225 KB of shared memory), no split under
-    min_split tokens (256: at 128 heads, B = 1, 16 K, 0.93x of BF16 with 512 and 1.00x with 256; 64 K unchanged,
-    H200, benchmarks/results/decode_kernel_heads_history.md)."""
+def tiles_walked(length: int, sink: int, recent: int) -> int:
+    """Tiles of 64 rows the kernel walks for a sequence of `length` tokens: its quantized body's tiles (counted
+    from the sink's tile, as the kernel does) and its protected rows' (sink + ring)."""
+    q_hi = sink + max(length - recent - sink, 0)
+    body = (q_hi + 63) // 64 - sink // 64 if q_hi > sink else 0
+    protected = min(length, sink) + max(length - q_hi, 0)
+    return body + -(-protected // 64)
+
+
+def default_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, min_split: int = 256,
+                   sink: int = 0, recent: int = 0) -> int:
+    """Splits per sequence: about one CTA per SM (one fits: 225 KB of shared memory), no more than one per
+    min_split tokens (512 left B = 1 short of SMs: 0.93x of BF16 at 128 heads, 16 K; 256: 1.00x,
+    benchmarks/results/decode_kernel_heads_history.md). The kernel gives split s the tiles [s * per,
+    (s + 1) * per) with per = ceil(tiles / splits), so the count is the fewest splits of that length: a count
+    that leaves the last splits empty is no faster and costs partials (64 splits of 16 K + 132 protected rows
+    give 52 busy CTAs per head block; 65, one per SM: 1.01 -> 1.05x of BF16, decode_kernel_heads_split.md)."""
     ctas = batch * -(-num_heads // BLOCK_H)
     want = max(1, round(num_sms / max(ctas, 1)))
-    return max(1, min(want, -(-max(max_seq_len, 1) // min_split)))
+    tiles = max(1, tiles_walked(max_seq_len, sink, recent))
+    per = max(-(-min_split // BLOCK_N), -(-tiles // want))
+    return -(-tiles // per)
 
 
 def _code_layout(dim: int, group: int, bits: int, vec: int = 16):
@@ -494,7 +509,7 @@ def mla_decode_many_heads(
     variant = dict(variant or {})
     min_split = variant.pop("min_split", 256)
     if num_splits is None:
-        num_splits = default_splits(B, H, max_seq_len, num_sms, min_split)
+        num_splits = default_splits(B, H, max_seq_len, num_sms, min_split, cache.sink, cache.recent)
     if slots is None:
         slots = torch.arange(B, dtype=torch.int32, device=dev)
     from quantmla.kernels.mla_decode import combine_splits, split_outputs
