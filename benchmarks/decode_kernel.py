@@ -358,7 +358,8 @@ def main():
                                                           num_sms=props.multi_processor_count)  # fmt: skip
                     elif kern == "heads":
                         cfg = None
-                        splits = mdh.default_splits(B, H, L, props.multi_processor_count, sink=cache.sink, recent=cache.recent)
+                        splits = mdh.default_splits(B, H, L, props.multi_processor_count, sink=cache.sink,
+                                                    recent=cache.recent)
                         fn = lambda: mdh.mla_decode_many_heads(qn, qp, cache, tables, seq_lens, slots, SCALE,
                                                                max_seq_len=L, num_sms=props.multi_processor_count)
                     elif kern == "cuda":

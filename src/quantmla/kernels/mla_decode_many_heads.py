@@ -410,11 +410,10 @@ def tiles_walked(length: int, sink: int, recent: int) -> int:
 def default_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, min_split: int = 256,
                    sink: int = 0, recent: int = 0) -> int:
     """Splits per sequence: about one CTA per SM (one fits: 225 KB of shared memory), no more than one per
-    min_split tokens (512 left B = 1 short of SMs: 0.93x of BF16 at 128 heads, 16 K; 256: 1.00x,
-    benchmarks/results/decode_kernel_heads_history.md). The kernel gives split s the tiles [s * per,
-    (s + 1) * per) with per = ceil(tiles / splits), so the count is the fewest splits of that length: a count
-    that leaves the last splits empty is no faster and costs partials (64 splits of 16 K + 132 protected rows
-    give 52 busy CTAs per head block; 65, one per SM: 1.01 -> 1.05x of BF16, decode_kernel_heads_split.md)."""
+    min_split tokens, and then the fewest splits of that length. The kernel gives split s the tiles [s * per,
+    (s + 1) * per) with per = ceil(tiles / splits) (`tiles_walked`), so a larger count would only leave splits
+    empty. sink / recent: the cache's. Measured: benchmarks/results/decode_kernel_heads_split.md and
+    decode_kernel_heads_history.md (min_split)."""
     ctas = batch * -(-num_heads // BLOCK_H)
     want = max(1, round(num_sms / max(ctas, 1)))
     tiles = max(1, tiles_walked(max_seq_len, sink, recent))
