@@ -540,3 +540,32 @@ def test_token_axis_caches_never_go_to_the_cuda_kernel(monkeypatch, fmts):
     with pytest.raises(ValueError, match="cannot run this: token-axis"):
         mdc.mla_decode_cuda(torch.zeros(1, 16, 512), torch.zeros(1, 16, 64), cache, None, None, None, 0.1,
                             max_seq_len=1)
+
+
+def test_wgmma_scores_probe_fragments_and_staged_q_give_the_scores():
+    """benchmarks/wgmma_scores_probe.cu's register fragments (the AND / shift of each code word, as its comment
+    says), multiplied by the shared-memory image of `stage_q`, give the scores of `reference`: the channel map
+    of the fragments and of the staged q agree, on the CPU."""
+    probe = _benchmark("wgmma_scores_probe")
+    g = torch.Generator().manual_seed(0)
+    n = 3
+    codes = torch.randint(0, 256, (n, probe.ROW), dtype=torch.uint8, generator=g)
+    scale = torch.rand(n, probe.NG, generator=g)
+    q = torch.randn(probe.H, 576, generator=g) * 64
+    img = probe.stage_q(q).double()  # [group, k step, n8 block, k half, 8 rows, 8]
+    got = torch.zeros(n, probe.H, dtype=torch.float64)
+    for r in range(n):
+        for grp in range(probe.NG):
+            acc = torch.zeros(probe.H, dtype=torch.float64)
+            for t in range(4):  # the lane's bytes [8 t, 8 t + 8) of the group
+                b = [int(v) for v in codes[r, 32 * grp + 8 * t:32 * grp + 8 * t + 8]]
+                words = (b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24, b[4] | b[5] << 8 | b[6] << 16 | b[7] << 24)
+                for s in range(4):
+                    y = words[s // 2] >> (8 * (s % 2))
+                    for h, mask in ((0, 0x000F000F), (1, 0x00F000F0)):  # k slots 2t + e, 2t + 8 + e
+                        for e in range(2):
+                            sub = ((y & mask) >> (16 * e)) & 0xFFFF  # the fp16 subnormal's mantissa: value * 2^24
+                            acc += sub * img[grp, s, :, h, :, 2 * t + e].reshape(probe.H)
+            got[r] += float(scale[r, grp]) * acc
+    want = probe.reference(codes, scale, q.to(torch.float16).float())
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-9)
