@@ -17,6 +17,11 @@
 #include <stdint.h>
 
 #define NG 9
+#ifndef RING
+#define RING 0  // 0: each tile's codes and scales go to registers one tile ahead; n > 0: by cp.async into an n-slot
+                // shared-memory ring (dynamic shared memory, RING * STAGE_BYTES), n - 1 tiles ahead
+#endif
+#define STAGE_BYTES (64 * ROW + 64 * NG * 4)
 #ifndef MIN_CTAS
 #define MIN_CTAS 1  // __launch_bounds__ minimum CTAs per SM (3 caps registers at 168)
 #endif
@@ -55,6 +60,7 @@ extern "C" __global__ void __launch_bounds__(128, MIN_CTAS) scores_probe(const u
   asm volatile("fence.proxy.async.shared::cta;");
   __syncthreads();
   float check = 0.f;
+#if RING == 0
   // codes and scales of a tile: loaded one tile ahead (registers), so their latency hides behind the MMAs
   uint2 c0[NG], c1[NG];
   float s0[NG], s1[NG];
@@ -78,6 +84,42 @@ extern "C" __global__ void __launch_bounds__(128, MIN_CTAS) scores_probe(const u
       k0[g] = c0[g]; k1[g] = c1[g]; q0[g] = s0[g] * 16777216.f; q1[g] = s1[g] * 16777216.f;
     }
     if (tile + gridDim.x < ntiles) load(tile + gridDim.x);
+#else
+  extern __shared__ __align__(16) uint8_t ring[];
+  auto issue = [&](int k, int tile) {  // the CTA's k-th tile into slot k % RING; one commit group either way
+    if (tile < ntiles) {
+      uint8_t* dst = ring + (k % RING) * STAGE_BYTES;
+      const uint8_t* src = codes + (long long)tile * 64 * ROW;
+      for (int i = tid; i < 64 * ROW / 16; i += 128)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(dst + 16 * i)),
+                     "l"(src + 16 * i));
+      const uint8_t* ssrc = reinterpret_cast<const uint8_t*>(scale + (long long)tile * 64 * NG);
+      for (int i = tid; i < 64 * NG * 4 / 16; i += 128)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((uint32_t)__cvta_generic_to_shared(
+                         dst + 64 * ROW + 16 * i)), "l"(ssrc + 16 * i));
+    }
+    asm volatile("cp.async.commit_group;");
+  };
+#pragma unroll
+  for (int k = 0; k < RING - 1; ++k) issue(k, blockIdx.x + k * gridDim.x);
+  int k = 0;
+  for (int tile = blockIdx.x; tile < ntiles; tile += gridDim.x, ++k) {
+    asm volatile("cp.async.wait_group %0;" ::"n"(RING - 2));
+    __syncthreads();  // tile k is in; every thread is done with tile k - 1's slot
+    issue(k + RING - 1, tile + (RING - 1) * gridDim.x);
+    const long long r0 = (long long)tile * 64 + 16 * w + g4, r1 = r0 + 8;
+    const uint8_t* st = ring + (k % RING) * STAGE_BYTES;
+    const int l0 = 16 * w + g4, l1 = l0 + 8;
+    uint2 k0[NG], k1[NG];
+    float q0[NG], q1[NG];
+#pragma unroll
+    for (int g = 0; g < NG; ++g) {
+      k0[g] = *reinterpret_cast<const uint2*>(st + l0 * ROW + 8 * t + 32 * g);
+      k1[g] = *reinterpret_cast<const uint2*>(st + l1 * ROW + 8 * t + 32 * g);
+      q0[g] = reinterpret_cast<const float*>(st + 64 * ROW)[l0 * NG + g] * 16777216.f;
+      q1[g] = reinterpret_cast<const float*>(st + 64 * ROW)[l1 * NG + g] * 16777216.f;
+    }
+#endif
     float s[8];
 #pragma unroll
     for (int e = 0; e < 8; ++e) s[e] = 0.f;

@@ -1,14 +1,16 @@
 """Probe for a 16-head decode kernel: the scores half alone, with wgmma and the codes as register A operands.
 
-    PYTHONPATH=src python benchmarks/wgmma_scores_probe.py [--min-ctas 1,3] [--out benchmarks/results]
+    PYTHONPATH=src python benchmarks/wgmma_scores_probe.py [--variants regs=RING:0,ring4=RING:4]
+        [--out benchmarks/results]
 
-Builds `wgmma_scores_probe.cu` for sm_90a (nvcc; once per --min-ctas, the launch bound that caps its
-registers), checks it against a torch reference on random int4 codes, scales and
+Builds `wgmma_scores_probe.cu` for sm_90a (nvcc, once per variant: NAME=MACRO:VALUE,... -D defines, e.g.
+RING (0: the next tile's loads into registers; n: an n-slot cp.async ring) and MIN_CTAS (the launch bound that
+caps registers)), checks it against a torch reference on random int4 codes, scales and
 queries (both orders of the descriptor's two offsets are tried; the one that matches is kept), then times
 S [tokens, 16 heads] over B * L tokens without writing S (each thread keeps a checksum), and reports SM
 cycles per token (at the card's maximum clock) beside the whole CUDA decode kernel's 52.7 at B = 16 / 64 K
 (benchmarks/results/decode_kernel_ncu_tokens.md, first column). What it leaves out of a decode: the zero
-term, the softmax and the values. Writes wgmma_scores_probe.{json,md}.
+term, the softmax and the values. Writes wgmma_scores_probe.{json,md} (--name changes the stem).
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ SRC = os.path.join(os.path.dirname(__file__), "wgmma_scores_probe.cu")
 NG, ROW, H = 9, 288, 16
 
 
-def build(min_ctas: int) -> bytes:
+STAGE_BYTES = 64 * ROW + 64 * NG * 4
+
+
+def build(defines: dict) -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "p.cubin")
         subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                        f"-DMIN_CTAS={min_ctas}", "-o", out, SRC], check=True)  # fmt: skip
+                        *[f"-D{k}={v}" for k, v in defines.items()], "-o", out, SRC], check=True)  # fmt: skip
         return open(out, "rb").read()
 
 
@@ -63,19 +68,21 @@ def reference(codes: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> torc
     return torch.einsum("tgc,hgc,tg->th", c, qq, scale.double())
 
 
-def launch(fn, grid, args):
+def launch(fn, grid, args, smem=0):
     cu = _cu()
     vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.pointer(v), ctypes.c_void_p) for v in vals])
     stream = ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
-    _check(cu.cuLaunchKernel(ctypes.c_void_p(fn), grid, 1, 1, 128, 1, 1, 0, stream, params, None), "cuLaunchKernel")
+    _check(cu.cuLaunchKernel(ctypes.c_void_p(fn), grid, 1, 1, 128, 1, 1, smem, stream, params, None), "cuLaunchKernel")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--min-ctas", default="1,3", help="comma list of __launch_bounds__ minimum CTAs per SM")
+    ap.add_argument("--variants", nargs="+", default=["regs=RING:0", "ring3=RING:3", "ring4=RING:4"],
+                    help="NAME=MACRO:VALUE,... (the .cu's -D defines)")
     ap.add_argument("--tokens", default="16x16384,16x65536,64x65536", help="comma list of BxL")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--name", default="wgmma_scores_probe", help="results file stem")
     args = ap.parse_args()
     torch.empty(1, device="cuda")
     props = torch.cuda.get_device_properties(0)
@@ -83,11 +90,15 @@ def main():
     clock_hz = props.clock_rate * 1e3 if hasattr(props, "clock_rate") else 1.98e9
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, errs, order = [], {}, None
-    for min_ctas in (int(x) for x in args.min_ctas.split(",")):
+    for spec_v in args.variants:
+        name, _, spec_d = spec_v.partition("=")
+        defines = {k: int(v) for k, v in (kv.split(":") for kv in spec_d.split(",") if kv)}
+        smem = defines.get("RING", 0) * STAGE_BYTES
         cu = _cu()
         mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-        _check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(build(min_ctas))), "cuModuleLoadData")
+        _check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(build(defines))), "cuModuleLoadData")
         _check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"scores_probe"), "cuModuleGetFunction")
+        _check(cu.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(max dynamic shared memory)")
 
         # check on 64 tiles, both offset orders
         n = 64 * 64
@@ -99,11 +110,11 @@ def main():
         order = None
         for lbo, sbo in ((128, 256), (256, 128)):
             out = torch.full((n, H), float("nan"), device="cuda")
-            launch(fn.value, 64, [codes, scale, img, out, n // 64, 1, lbo, sbo])
+            launch(fn.value, 64, [codes, scale, img, out, n // 64, 1, lbo, sbo], smem)
             torch.cuda.synchronize()
             err = ((out.cpu().double() - want).norm() / want.norm()).item()
-            errs[f"min_ctas {min_ctas}, {lbo}/{sbo}"] = err
-            print(f"min_ctas {min_ctas} lbo {lbo} sbo {sbo}: relative error {err:.2e}", flush=True)
+            errs[f"{name}, {lbo}/{sbo}"] = err
+            print(f"{name} lbo {lbo} sbo {sbo}: relative error {err:.2e}", flush=True)
             if order is None and err < 1e-3:
                 order = (lbo, sbo)
         if order is None:
@@ -113,10 +124,10 @@ def main():
             n = B * L
             codes = torch.randint(0, 256, (n, ROW), dtype=torch.uint8, device="cuda", generator=g)
             scale = torch.rand(n, NG, device="cuda", generator=g)
-            for ctas in sorted({2, min_ctas}):
+            for ctas in (2,):
                 grid = ctas * sms
                 out = torch.empty(grid * 128, device="cuda")
-                run = lambda: launch(fn.value, grid, [codes, scale, img, out, n // 64, 0, *order])  # noqa: E731
+                run = lambda: launch(fn.value, grid, [codes, scale, img, out, n // 64, 0, *order], smem)  # noqa: E731
                 run()
                 torch.cuda.synchronize()
                 times = []
@@ -129,25 +140,25 @@ def main():
                     times.append(a.elapsed_time(b) * 1e3)
                 us = sorted(times)[len(times) // 2]
                 cyc = us * 1e-6 * clock_hz * sms / n
-                rows.append({"min_ctas": min_ctas, "batch": B, "context": L, "ctas_per_sm": ctas, "us": us,
+                rows.append({"variant": spec_v, "batch": B, "context": L, "ctas_per_sm": ctas, "us": us,
                              "cycles_per_token": cyc, "GBps": n * (ROW + 4 * NG) / (us * 1e-6) / 1e9})
-                print(f"min_ctas {min_ctas} B={B} L={L} grid {ctas}/SM: {us:.1f} us, {cyc:.1f} SM cycles per "
+                print(f"{name} B={B} L={L} grid {ctas}/SM: {us:.1f} us, {cyc:.1f} SM cycles per "
                       f"token, {rows[-1]['GBps']:.0f} GB/s", flush=True)
             del codes, scale
     meta = {"card": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "clock_hz": clock_hz, "sms": sms, "errors": errs, "order": order,
             "command": "python benchmarks/wgmma_scores_probe.py " + " ".join(sys.argv[1:])}
-    with open(os.path.join(args.out, "wgmma_scores_probe.json"), "w") as fh:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     lines = [f"# wgmma scores probe ({meta['card']}, {meta['date'][:19]})", "",
              f"Command: `{meta['command']}`. Relative error against the fp64 reference per descriptor offset order "
              f"(leading/stride bytes): {', '.join(f'{k}: {v:.1e}' for k, v in errs.items())}. Cycles per token at "
              f"{clock_hz / 1e9:.2f} GHz x {sms} SMs; GB/s counts the codes and the fp32 scales.", "",
-             "| min CTAs (launch bound) | B | context | grid CTAs/SM | us | SM cycles / token | GB/s |",
+             "| variant (-D defines) | B | context | grid CTAs/SM | us | SM cycles / token | GB/s |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['min_ctas']} | {r['batch']} | {r['context']} | {r['ctas_per_sm']} | {r['us']:.1f} | "
+    lines += [f"| {r['variant']} | {r['batch']} | {r['context']} | {r['ctas_per_sm']} | {r['us']:.1f} | "
               f"{r['cycles_per_token']:.1f} | {r['GBps']:.0f} |" for r in rows]
-    with open(os.path.join(args.out, "wgmma_scores_probe.md"), "w") as fh:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
