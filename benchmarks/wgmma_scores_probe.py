@@ -37,11 +37,11 @@ NG, ROW, H = 9, 288, 16
 STAGE_BYTES = 64 * ROW + 64 * NG * 4
 
 
-def build(defines: dict) -> bytes:
+def build(defines: dict, src: str = SRC) -> bytes:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "p.cubin")
         subprocess.run([_nvcc(), "-cubin", "-O3", "-std=c++17", "-gencode=arch=compute_90a,code=sm_90a",
-                        *[f"-D{k}={v}" for k, v in defines.items()], "-o", out, SRC], check=True)  # fmt: skip
+                        *[f"-D{k}={v}" for k, v in defines.items()], "-o", out, src], check=True)  # fmt: skip
         return open(out, "rb").read()
 
 

@@ -569,3 +569,49 @@ def test_wgmma_scores_probe_fragments_and_staged_q_give_the_scores():
             got[r] += float(scale[r, grp]) * acc
     want = probe.reference(codes, scale, q.to(torch.float16).float())
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-9)
+
+
+def test_wgmma_values_probe_fragments_and_p_image_give_the_values():
+    """benchmarks/wgmma_values_probe.cu's register fragments (prmt + AND of a 4-byte load of the byte-transposed
+    tile) and its P' image (each thread's tokens and heads), multiplied as the MMAs do, give `reference`'s
+    O: the channel map of the rows, the token map of the k slots and the P' image agree, on the CPU."""
+    probe = _benchmark("wgmma_values_probe")
+    g = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 256, (64, 256), dtype=torch.uint8, generator=g)
+    p = torch.rand(64, 16, generator=g)
+    scale = torch.rand(64, 8, generator=g) * 0.1 + 0.01
+    vt = probe.transpose_tiles(codes)[0]  # [group, byte, token]
+
+    def slot_of(u):  # as the .cu: tokens 4t + e -> slot 2t + e, 4t + 2 + e -> 2t + 8 + e
+        return 2 * (u >> 2) + (u & 1) + (8 if u & 2 else 0)
+
+    image = torch.zeros(8, 4, 256, dtype=torch.float64)  # [group, k step, n8 block / k half / 8 heads / 8 slots]
+    for w in range(4):
+        for lane in range(32):
+            t, g4 = lane & 3, lane >> 2
+            for u in (16 * w + g4, 16 * w + g4 + 8):
+                for grp in range(8):
+                    kk = slot_of(u & 15)
+                    for i in range(4):
+                        h = 2 * t + (i & 1) + 8 * (i >> 1)
+                        value = float((p[u, h] * scale[u, grp]).to(torch.float16))
+                        image[grp, w, (h >> 3) * 128 + (kk >> 3) * 64 + (h & 7) * 8 + (kk & 7)] = value
+    got = torch.zeros(16, 512, dtype=torch.float64)
+    for grp in range(8):
+        for s in range(4):
+            b_op = torch.zeros(16, 16, dtype=torch.float64)  # [k slot, head]
+            for h in range(16):
+                for kk in range(16):
+                    b_op[kk, h] = image[grp, s, (h >> 3) * 128 + (kk >> 3) * 64 + (h & 7) * 8 + (kk & 7)]
+            for w in range(4):
+                for lane in range(32):
+                    t, g4 = lane & 3, lane >> 2
+                    byte = 8 * w + g4
+                    by = [int(vt[grp, byte, 16 * s + 4 * t + j]) for j in range(4)]
+                    for pair, slots in (((by[0], by[1]), (2 * t, 2 * t + 1)), ((by[2], by[3]), (2 * t + 8, 2 * t + 9))):
+                        word = pair[0] | pair[1] << 16
+                        for hi, mask in ((0, 0x000F000F), (1, 0x00F000F0)):  # rows m (low nibble), m + 8 (high)
+                            for e in range(2):
+                                sub = ((word & mask) >> (16 * e)) & 0xFFFF  # value * 2^24 (x 16 on the high nibble)
+                                got[:, 64 * grp + 2 * byte + hi] += sub * b_op[slots[e]] / (16 if hi else 1)
+    torch.testing.assert_close(got, probe.reference(codes, p, scale), rtol=1e-12, atol=1e-9)

@@ -1,0 +1,130 @@
+"""Probe for a 16-head decode kernel: the values half alone, with wgmma, the codes as register A operands and
+each group's scale folded into P (the other half: wgmma_scores_probe.py).
+
+    PYTHONPATH=src python benchmarks/wgmma_values_probe.py [--rings 2,3] [--out benchmarks/results]
+
+Builds `wgmma_values_probe.cu` for sm_90a (once per ring depth), checks O [16 heads, 512] against an fp64
+reference on random int4 codes, P and scales (P * scale rounded to fp16 as the kernel does), then times it over
+B * L tokens and reports SM cycles per token (at the card's maximum clock). The input is the codes
+byte-transposed within each 64-token tile (what the kernel's A fragments want; the cache stores rows), plus P
+and scales in fp32. Not included: the zero term, the softmax, the scores. Writes wgmma_values_probe.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from wgmma_scores_probe import build, launch  # noqa: E402
+
+from quantmla.kernels.mla_decode_cuda import _check, _cu  # noqa: E402
+
+SRC = os.path.join(os.path.dirname(__file__), "wgmma_values_probe.cu")
+NGC, H = 8, 16
+TILE_BYTES = NGC * 32 * 64
+
+
+def smem_bytes(ring: int) -> int:
+    return ring * (TILE_BYTES + 64 * H * 4 + 64 * NGC * 4) + 2 * NGC * 4 * 512
+
+
+def transpose_tiles(codes: torch.Tensor) -> torch.Tensor:
+    """codes [tokens, 256] (row layout: group g's byte b holds channels 64 g + 2 b, + 1) -> [tiles, 8, 32, 64]."""
+    return codes.reshape(-1, 64, NGC, 32).permute(0, 2, 3, 1).contiguous()
+
+
+def reference(codes: torch.Tensor, p: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """O [16, 512] = sum_t fp16(P[t, h] * scale[t, g(c)]) * code[t, c]."""
+    c = torch.stack([codes & 15, codes >> 4], -1).reshape(codes.shape[0], NGC, 64).double()
+    pp = (p[:, None, :] * scale[:, :, None]).to(torch.float16).double()  # [t, g, h]
+    return torch.einsum("tgc,tgh->hgc", c, pp).reshape(H, 512)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rings", default="2,3")
+    ap.add_argument("--tokens", default="16x16384,16x65536,64x65536", help="comma list of BxL")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+    torch.empty(1, device="cuda")
+    props = torch.cuda.get_device_properties(0)
+    sms = props.multi_processor_count
+    clock_hz = props.clock_rate * 1e3 if hasattr(props, "clock_rate") else 1.98e9
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows, errs = [], {}
+    for ring in (int(x) for x in args.rings.split(",")):
+        cu = _cu()
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        _check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(build({"RING": ring}, SRC))), "cuModuleLoadData")
+        _check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"values_probe"), "cuModuleGetFunction")
+        smem = smem_bytes(ring)
+        _check(cu.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(max dynamic shared memory)")
+        n, grid = 64 * 64, 8
+        codes = torch.randint(0, 256, (n, NGC * 32), dtype=torch.uint8, device="cuda", generator=g)
+        p = torch.rand(n, H, device="cuda", generator=g)
+        scale = torch.rand(n, NGC, device="cuda", generator=g) * 0.1 + 0.01
+        out = torch.zeros(grid, H, 512, device="cuda")
+        launch(fn.value, grid, [transpose_tiles(codes), p, scale, out, n // 64], smem)
+        torch.cuda.synchronize()
+        want = reference(codes.cpu(), p.cpu(), scale.cpu())
+        got = out.sum(0).cpu().double()
+        err = ((got - want).norm() / want.norm()).item()
+        errs[f"ring {ring}"] = err
+        print(f"ring {ring}: relative error {err:.2e}", flush=True)
+        if err > 1e-3:
+            continue
+        for spec in args.tokens.split(","):
+            B, L = (int(x) for x in spec.split("x"))
+            n = B * L
+            vt = torch.randint(0, 256, (n // 64, NGC, 32, 64), dtype=torch.uint8, device="cuda", generator=g)
+            p = torch.rand(n, H, device="cuda", generator=g)
+            scale = torch.rand(n, NGC, device="cuda", generator=g)
+            grid = 2 * sms
+            out = torch.empty(grid, H, 512, device="cuda")
+            run = lambda: launch(fn.value, grid, [vt, p, scale, out, n // 64], smem)  # noqa: E731
+            run()
+            torch.cuda.synchronize()
+            times = []
+            for _ in range(20):
+                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                a.record()
+                run()
+                b.record()
+                b.synchronize()
+                times.append(a.elapsed_time(b) * 1e3)
+            us = sorted(times)[len(times) // 2]
+            cyc = us * 1e-6 * clock_hz * sms / n
+            per_token = NGC * 32 + H * 4 + NGC * 4
+            rows.append({"ring": ring, "batch": B, "context": L, "us": us, "cycles_per_token": cyc,
+                         "GBps": n * per_token / (us * 1e-6) / 1e9})
+            print(f"ring {ring} B={B} L={L}: {us:.1f} us, {cyc:.1f} SM cycles per token, {rows[-1]['GBps']:.0f} GB/s",
+                  flush=True)
+            del vt, p, scale
+    meta = {"card": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+            "clock_hz": clock_hz, "sms": sms, "errors": errs,
+            "command": "python benchmarks/wgmma_values_probe.py " + " ".join(sys.argv[1:])}
+    with open(os.path.join(args.out, "wgmma_values_probe.json"), "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    lines = [f"# wgmma values probe ({meta['card']}, {meta['date'][:19]})", "",
+             f"Command: `{meta['command']}`. Relative error against the fp64 reference: "
+             f"{', '.join(f'{k}: {v:.1e}' for k, v in errs.items())}. Cycles per token at {clock_hz / 1e9:.2f} GHz "
+             f"x {sms} SMs, 2 CTAs per SM; GB/s counts the codes (256 B), P (64 B) and the scales (32 B) per token.",
+             "", "| ring | B | context | us | SM cycles / token | GB/s |", "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['ring']} | {r['batch']} | {r['context']} | {r['us']:.1f} | {r['cycles_per_token']:.1f} | "
+              f"{r['GBps']:.0f} |" for r in rows]
+    with open(os.path.join(args.out, "wgmma_values_probe.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
