@@ -23,6 +23,15 @@
 #ifndef RING
 #define RING 3
 #endif
+#ifndef PMN
+#define PMN 0  // 1: P' stored MN-major (heads contiguous: two heads per 4-byte store), B read transposed
+#endif
+#ifndef LBO
+#define LBO 128  // the B descriptor's leading / stride byte offsets
+#endif
+#ifndef SBO
+#define SBO 256
+#endif
 #define TILE_BYTES (NGC * 32 * 64)
 #define STAGE_BYTES (TILE_BYTES + 64 * 16 * 4 + 64 * NGC * 4)  // codes, P (fp32), scales (fp32)
 
@@ -30,15 +39,15 @@ __device__ __forceinline__ void fence_operand(float& r) { asm volatile("" : "+f"
 
 __device__ __forceinline__ uint64_t desc(const void* smem_ptr) {
   const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(smem_ptr));
-  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(LBO >> 4) << 16) | ((uint64_t)(SBO >> 4) << 32);
 }
 
 __device__ __forceinline__ void wgmma_16(float (&d)[8], const uint32_t (&a)[4], uint64_t b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, 0;\n}"
+      "wgmma.mma_async.sync.aligned.m64n16k16.f32.f16.f16 {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1, %14;\n}"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate), "n"(PMN));
 }
 
 __device__ __forceinline__ void cp16(void* dst, const void* src) {
@@ -105,11 +114,19 @@ extern "C" __global__ void __launch_bounds__(128) values_probe(const uint8_t* __
       for (int r = 0; r < 2; ++r) {
         const int u = r ? u1 : u0;
         const float sc = ss[u * NGC + g];
-        const int kk = slot_of(u & 15);  // K index within the k step; image [k half][8 heads][8 slots]
+        const int kk = slot_of(u & 15);  // K index within the k step
+        if (PMN) {  // image [n8 block][k half][8 slots][8 heads]: heads 2t, 2t+1 (and + 8) in one 4-byte store
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const int h = 2 * t + (i & 1) + 8 * (i >> 1);
-          pb[(g * 4 + w) * 256 + (h >> 3) * 128 + (kk >> 3) * 64 + (h & 7) * 8 + (kk & 7)] = __float2half_rn(pv[r][i] * sc);
+          for (int j = 0; j < 2; ++j) {
+            const __half2 v = __floats2half2_rn(pv[r][2 * j] * sc, pv[r][2 * j + 1] * sc);
+            *reinterpret_cast<__half2*>(&pb[(g * 4 + w) * 256 + j * 128 + (kk >> 3) * 64 + (kk & 7) * 8 + 2 * t]) = v;
+          }
+        } else {  // K-major image [n8 block][k half][8 heads][8 slots]
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int h = 2 * t + (i & 1) + 8 * (i >> 1);
+            pb[(g * 4 + w) * 256 + (h >> 3) * 128 + (kk >> 3) * 64 + (h & 7) * 8 + (kk & 7)] = __float2half_rn(pv[r][i] * sc);
+          }
         }
       }
     }

@@ -1,13 +1,15 @@
 """Probe for a 16-head decode kernel: the values half alone, with wgmma, the codes as register A operands and
 each group's scale folded into P (the other half: wgmma_scores_probe.py).
 
-    PYTHONPATH=src python benchmarks/wgmma_values_probe.py [--rings 2,3] [--out benchmarks/results]
+    PYTHONPATH=src python benchmarks/wgmma_values_probe.py [--variants ring2=RING:2 pmn=RING:2,PMN:1]
+        [--out benchmarks/results]
 
-Builds `wgmma_values_probe.cu` for sm_90a (once per ring depth), checks O [16 heads, 512] against an fp64
+Builds `wgmma_values_probe.cu` for sm_90a (once per variant: NAME=MACRO:VALUE,... -D defines, e.g. RING, PMN,
+LBO, SBO), checks O [16 heads, 512] against an fp64
 reference on random int4 codes, P and scales (P * scale rounded to fp16 as the kernel does), then times it over
 B * L tokens and reports SM cycles per token (at the card's maximum clock). The input is the codes
 byte-transposed within each 64-token tile (what the kernel's A fragments want; the cache stores rows), plus P
-and scales in fp32. Not included: the zero term, the softmax, the scores. Writes wgmma_values_probe.{json,md}.
+and scales in fp32. Not included: the zero term, the softmax, the scores. Writes wgmma_values_probe.{json,md} (--name changes the stem).
 """
 
 from __future__ import annotations
@@ -51,7 +53,9 @@ def reference(codes: torch.Tensor, p: torch.Tensor, scale: torch.Tensor) -> torc
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--rings", default="2,3")
+    ap.add_argument("--variants", nargs="+", default=["ring2=RING:2", "pmn=RING:2,PMN:1"],
+                    help="NAME=MACRO:VALUE,... (the .cu's -D defines)")
+    ap.add_argument("--name", default="wgmma_values_probe", help="results file stem")
     ap.add_argument("--tokens", default="16x16384,16x65536,64x65536", help="comma list of BxL")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
@@ -61,10 +65,13 @@ def main():
     clock_hz = props.clock_rate * 1e3 if hasattr(props, "clock_rate") else 1.98e9
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, errs = [], {}
-    for ring in (int(x) for x in args.rings.split(",")):
+    for spec_v in args.variants:
+        name, _, spec_d = spec_v.partition("=")
+        defines = {k: int(v) for k, v in (kv.split(":") for kv in spec_d.split(",") if kv)}
+        ring = defines.setdefault("RING", 3)
         cu = _cu()
         mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-        _check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(build({"RING": ring}, SRC))), "cuModuleLoadData")
+        _check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(build(defines, SRC))), "cuModuleLoadData")
         _check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"values_probe"), "cuModuleGetFunction")
         smem = smem_bytes(ring)
         _check(cu.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(max dynamic shared memory)")
@@ -78,8 +85,8 @@ def main():
         want = reference(codes.cpu(), p.cpu(), scale.cpu())
         got = out.sum(0).cpu().double()
         err = ((got - want).norm() / want.norm()).item()
-        errs[f"ring {ring}"] = err
-        print(f"ring {ring}: relative error {err:.2e}", flush=True)
+        errs[name] = err
+        print(f"{name}: relative error {err:.2e}", flush=True)
         if err > 1e-3:
             continue
         for spec in args.tokens.split(","):
@@ -104,24 +111,24 @@ def main():
             us = sorted(times)[len(times) // 2]
             cyc = us * 1e-6 * clock_hz * sms / n
             per_token = NGC * 32 + H * 4 + NGC * 4
-            rows.append({"ring": ring, "batch": B, "context": L, "us": us, "cycles_per_token": cyc,
+            rows.append({"variant": spec_v, "batch": B, "context": L, "us": us, "cycles_per_token": cyc,
                          "GBps": n * per_token / (us * 1e-6) / 1e9})
-            print(f"ring {ring} B={B} L={L}: {us:.1f} us, {cyc:.1f} SM cycles per token, {rows[-1]['GBps']:.0f} GB/s",
+            print(f"{name} B={B} L={L}: {us:.1f} us, {cyc:.1f} SM cycles per token, {rows[-1]['GBps']:.0f} GB/s",
                   flush=True)
             del vt, p, scale
     meta = {"card": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "clock_hz": clock_hz, "sms": sms, "errors": errs,
             "command": "python benchmarks/wgmma_values_probe.py " + " ".join(sys.argv[1:])}
-    with open(os.path.join(args.out, "wgmma_values_probe.json"), "w") as fh:
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
         json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     lines = [f"# wgmma values probe ({meta['card']}, {meta['date'][:19]})", "",
              f"Command: `{meta['command']}`. Relative error against the fp64 reference: "
              f"{', '.join(f'{k}: {v:.1e}' for k, v in errs.items())}. Cycles per token at {clock_hz / 1e9:.2f} GHz "
              f"x {sms} SMs, 2 CTAs per SM; GB/s counts the codes (256 B), P (64 B) and the scales (32 B) per token.",
-             "", "| ring | B | context | us | SM cycles / token | GB/s |", "|---:|---:|---:|---:|---:|---:|"]
-    lines += [f"| {r['ring']} | {r['batch']} | {r['context']} | {r['us']:.1f} | {r['cycles_per_token']:.1f} | "
+             "", "| variant (-D defines) | B | context | us | SM cycles / token | GB/s |", "|---:|---:|---:|---:|---:|---:|"]
+    lines += [f"| {r['variant']} | {r['batch']} | {r['context']} | {r['us']:.1f} | {r['cycles_per_token']:.1f} | "
               f"{r['GBps']:.0f} |" for r in rows]
-    with open(os.path.join(args.out, "wgmma_values_probe.md"), "w") as fh:
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as fh:
         fh.write("\n".join(lines) + "\n")
     print("\n".join(lines))
 
