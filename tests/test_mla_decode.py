@@ -556,6 +556,25 @@ def kernel_matches_reference(decode, unsupported, fmts, H, lens, dc=512, dr=64, 
     return cache
 
 
+def graph_replays_match_reference(decode, fmts, H, dc=512, dr=64):
+    """`decode` (a launcher with `mla_decode`'s contract, compiled and loaded beforehand by a first call)
+    captured once in a CUDA graph at lengths [200, 300, 1000], then replayed at other lengths within what was
+    written (unwritten rows are NaN): each replay matches `mla_decode_reference`."""
+    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, [200, 300, 1000], page=64, recent=128)
+    qn, qp = (q.bfloat16() for q in queries(3, H, dc, dr))
+    lens_dev = seq_lens.clone()
+    run = lambda: decode(qn, qp, cache, table, lens_dev, slots, 0.05, max_seq_len=1000)  # noqa: E731
+    run()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = run()
+    for new in ([200, 300, 1000], [0, 133, 777], [132, 1, 999]):
+        lens_dev.copy_(torch.tensor(new, dtype=torch.int32))
+        graph.replay()
+        check(out, lse, *mla_decode_reference(qn, qp, cache, table, lens_dev, slots, 0.05))
+
+
 def packed_rows(cache, pads):
     """`cache` with pools whose rows lie further apart than their width (fields of one packed row, as in vLLM),
     the padding NaN (0x7F codes): pads = extra elements per row of (content codes, content scale / zero, rope

@@ -304,7 +304,8 @@ def test_body_splits(batch, length, want):
 # --- the kernel on the GPU ------------------------------------------------------------------------------------
 
 if GPU:
-    from test_mla_decode import check, fill, kernel_matches_reference, packed_rows, queries  # noqa: E402
+    from test_mla_decode import (  # noqa: E402
+        check, fill, graph_replays_match_reference, kernel_matches_reference, packed_rows, queries)
 
     from quantmla.kernels.mla_decode import mla_decode, mla_decode_reference  # noqa: E402
 
@@ -508,21 +509,7 @@ def test_shared_memory_fallback(monkeypatch):
 @needs_gpu
 @pytest.mark.parametrize("fmts", [("int2", "int4"), ("fp8", "bf16")])
 def test_cuda_kernel_graph_capture_and_replay(fmts):
-    lens = [200, 300, 1000]  # replayed lengths stay within what was written (unwritten rows are NaN)
-    cache, table, seq_lens, slots, _, _ = fill(fmts, 512, 64, lens, page=64, recent=128)
-    qn, qp = (q.bfloat16() for q in queries(3, 16, 512, 64))
-    lens_dev = seq_lens.clone()
-    mdc.prepare(cache, qn.device)  # build and load outside the capture
-    run = lambda: mdc.mla_decode_cuda(qn, qp, cache, table, lens_dev, slots, 0.05, max_seq_len=1000)  # noqa: E731
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = run()
-    for new in ([200, 300, 1000], [0, 133, 777], [132, 1, 999]):
-        lens_dev.copy_(torch.tensor(new, dtype=torch.int32))
-        graph.replay()
-        check(out, lse, *mla_decode_reference(qn, qp, cache, table, lens_dev, slots, 0.05))
+    graph_replays_match_reference(mdc.mla_decode_cuda, fmts, 16)
 
 
 @pytest.mark.parametrize("fmts", [("int4", "int4:t64"), ("int4:t64", "int4")])

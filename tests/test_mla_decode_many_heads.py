@@ -98,7 +98,8 @@ def test_default_splits_leave_no_split_empty(heads, batch):
 # --- the kernel on the GPU ------------------------------------------------------------------------------------
 
 if GPU:
-    from test_mla_decode import check, fill, kernel_matches_reference, packed_rows, queries  # noqa: E402
+    from test_mla_decode import (  # noqa: E402
+        check, fill, graph_replays_match_reference, kernel_matches_reference, packed_rows, queries)
 
 LENS = [0, 1, 7, 131, 132, 133, 200, 257, 700, 4097]
 
@@ -166,17 +167,4 @@ def test_mla_decode_runs_it_when_asked_and_by_default_at_many_heads(monkeypatch)
 
 @needs_hopper
 def test_kernel_cuda_graph_capture_and_replay():
-    lens = [200, 300, 1000]  # replayed lengths stay within what was written (unwritten rows are NaN)
-    cache, table, seq_lens, slots, _, _ = fill(("int4", "int4"), 512, 64, lens, page=64, recent=128)
-    qn, qp = (q.bfloat16() for q in queries(3, 128, 512, 64))
-    lens_dev = seq_lens.clone()
-    run = lambda: mh.mla_decode_many_heads(qn, qp, cache, table, lens_dev, slots, 0.05, max_seq_len=1000)  # noqa: E731
-    run()  # compile outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = run()
-    for new in ([200, 300, 1000], [0, 133, 777], [132, 1, 999]):
-        lens_dev.copy_(torch.tensor(new, dtype=torch.int32))
-        graph.replay()
-        check(out, lse, *mla_decode_reference(qn, qp, cache, table, lens_dev, slots, 0.05))
+    graph_replays_match_reference(mh.mla_decode_many_heads, ("int4", "int4"), 128)
