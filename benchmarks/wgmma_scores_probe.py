@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import datetime
+import functools
 import json
 import os
 import subprocess
@@ -68,6 +69,37 @@ def reference(codes: torch.Tensor, scale: torch.Tensor, q: torch.Tensor) -> torc
     return torch.einsum("tgc,hgc,tg->th", c, qq, scale.double())
 
 
+def parse_variant(spec: str) -> tuple[str, dict]:
+    """"NAME=MACRO:VALUE,..." -> (NAME, the -D defines)."""
+    name, _, defines = spec.partition("=")
+    return name, {k: int(v) for k, v in (kv.split(":") for kv in defines.split(",") if kv)}
+
+
+def load(image: bytes, kernel: bytes, smem: int) -> int:
+    """The CUfunction `kernel` of a cubin image, allowed `smem` bytes of dynamic shared memory."""
+    cu = _cu()
+    mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+    _check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(image)), "cuModuleLoadData")
+    _check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, kernel), "cuModuleGetFunction")
+    _check(cu.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(max dynamic shared memory)")
+    return fn.value
+
+
+def median_us(run, reps: int = 20) -> float:
+    """Median of `reps` timed calls of `run` (CUDA events, after one untimed call)."""
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
 def launch(fn, grid, args, smem=0):
     cu = _cu()
     vals = [ctypes.c_void_p(a.data_ptr()) if isinstance(a, torch.Tensor) else ctypes.c_int(a) for a in args]
@@ -91,14 +123,9 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, errs, order = [], {}, None
     for spec_v in args.variants:
-        name, _, spec_d = spec_v.partition("=")
-        defines = {k: int(v) for k, v in (kv.split(":") for kv in spec_d.split(",") if kv)}
+        name, defines = parse_variant(spec_v)
         smem = defines.get("RING", 0) * STAGE_BYTES
-        cu = _cu()
-        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-        _check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(build(defines))), "cuModuleLoadData")
-        _check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"scores_probe"), "cuModuleGetFunction")
-        _check(cu.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(max dynamic shared memory)")
+        fn = load(build(defines), b"scores_probe", smem)
 
         # check on 64 tiles, both offset orders
         n = 64 * 64
@@ -110,7 +137,7 @@ def main():
         order = None
         for lbo, sbo in ((128, 256), (256, 128)):
             out = torch.full((n, H), float("nan"), device="cuda")
-            launch(fn.value, 64, [codes, scale, img, out, n // 64, 1, lbo, sbo], smem)
+            launch(fn, 64, [codes, scale, img, out, n // 64, 1, lbo, sbo], smem)
             torch.cuda.synchronize()
             err = ((out.cpu().double() - want).norm() / want.norm()).item()
             errs[f"{name}, {lbo}/{sbo}"] = err
@@ -124,26 +151,15 @@ def main():
             n = B * L
             codes = torch.randint(0, 256, (n, ROW), dtype=torch.uint8, device="cuda", generator=g)
             scale = torch.rand(n, NG, device="cuda", generator=g)
-            for ctas in (2,):
-                grid = ctas * sms
-                out = torch.empty(grid * 128, device="cuda")
-                run = lambda: launch(fn.value, grid, [codes, scale, img, out, n // 64, 0, *order], smem)  # noqa: E731
-                run()
-                torch.cuda.synchronize()
-                times = []
-                for _ in range(20):
-                    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                    a.record()
-                    run()
-                    b.record()
-                    b.synchronize()
-                    times.append(a.elapsed_time(b) * 1e3)
-                us = sorted(times)[len(times) // 2]
-                cyc = us * 1e-6 * clock_hz * sms / n
-                rows.append({"variant": spec_v, "batch": B, "context": L, "ctas_per_sm": ctas, "us": us,
-                             "cycles_per_token": cyc, "GBps": n * (ROW + 4 * NG) / (us * 1e-6) / 1e9})
-                print(f"{name} B={B} L={L} grid {ctas}/SM: {us:.1f} us, {cyc:.1f} SM cycles per "
-                      f"token, {rows[-1]['GBps']:.0f} GB/s", flush=True)
+            ctas = 2
+            grid = ctas * sms
+            out = torch.empty(grid * 128, device="cuda")
+            us = median_us(functools.partial(launch, fn, grid, [codes, scale, img, out, n // 64, 0, *order], smem))
+            cyc = us * 1e-6 * clock_hz * sms / n
+            rows.append({"variant": spec_v, "batch": B, "context": L, "ctas_per_sm": ctas, "us": us,
+                         "cycles_per_token": cyc, "GBps": n * (ROW + 4 * NG) / (us * 1e-6) / 1e9})
+            print(f"{name} B={B} L={L} grid {ctas}/SM: {us:.1f} us, {cyc:.1f} SM cycles per "
+                  f"token, {rows[-1]['GBps']:.0f} GB/s", flush=True)
             del codes, scale
     meta = {"card": torch.cuda.get_device_name(), "date": datetime.datetime.now(datetime.timezone.utc).isoformat(),
             "clock_hz": clock_hz, "sms": sms, "errors": errs, "order": order,

@@ -15,8 +15,8 @@ and scales in fp32. Not included: the zero term, the softmax, the scores. Writes
 from __future__ import annotations
 
 import argparse
-import ctypes
 import datetime
+import functools
 import json
 import os
 import sys
@@ -26,9 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from wgmma_scores_probe import build, launch  # noqa: E402
-
-from quantmla.kernels.mla_decode_cuda import _check, _cu  # noqa: E402
+from wgmma_scores_probe import build, launch, load, median_us, parse_variant  # noqa: E402
 
 SRC = os.path.join(os.path.dirname(__file__), "wgmma_values_probe.cu")
 NGC, H = 8, 16
@@ -66,21 +64,15 @@ def main():
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, errs = [], {}
     for spec_v in args.variants:
-        name, _, spec_d = spec_v.partition("=")
-        defines = {k: int(v) for k, v in (kv.split(":") for kv in spec_d.split(",") if kv)}
-        ring = defines.setdefault("RING", 3)
-        cu = _cu()
-        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-        _check(cu.cuModuleLoadData(ctypes.byref(mod), ctypes.c_char_p(build(defines, SRC))), "cuModuleLoadData")
-        _check(cu.cuModuleGetFunction(ctypes.byref(fn), mod, b"values_probe"), "cuModuleGetFunction")
-        smem = smem_bytes(ring)
-        _check(cu.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(max dynamic shared memory)")
+        name, defines = parse_variant(spec_v)
+        smem = smem_bytes(defines.setdefault("RING", 3))
+        fn = load(build(defines, SRC), b"values_probe", smem)
         n, grid = 64 * 64, 8
         codes = torch.randint(0, 256, (n, NGC * 32), dtype=torch.uint8, device="cuda", generator=g)
         p = torch.rand(n, H, device="cuda", generator=g)
         scale = torch.rand(n, NGC, device="cuda", generator=g) * 0.1 + 0.01
         out = torch.zeros(grid, H, 512, device="cuda")
-        launch(fn.value, grid, [transpose_tiles(codes), p, scale, out, n // 64], smem)
+        launch(fn, grid, [transpose_tiles(codes), p, scale, out, n // 64], smem)
         torch.cuda.synchronize()
         want = reference(codes.cpu(), p.cpu(), scale.cpu())
         got = out.sum(0).cpu().double()
@@ -97,18 +89,7 @@ def main():
             scale = torch.rand(n, NGC, device="cuda", generator=g)
             grid = 2 * sms
             out = torch.empty(grid, H, 512, device="cuda")
-            run = lambda: launch(fn.value, grid, [vt, p, scale, out, n // 64], smem)  # noqa: E731
-            run()
-            torch.cuda.synchronize()
-            times = []
-            for _ in range(20):
-                a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                a.record()
-                run()
-                b.record()
-                b.synchronize()
-                times.append(a.elapsed_time(b) * 1e3)
-            us = sorted(times)[len(times) // 2]
+            us = median_us(functools.partial(launch, fn, grid, [vt, p, scale, out, n // 64], smem))
             cyc = us * 1e-6 * clock_hz * sms / n
             per_token = NGC * 32 + H * 4 + NGC * 4
             rows.append({"variant": spec_v, "batch": B, "context": L, "us": us, "cycles_per_token": cyc,
