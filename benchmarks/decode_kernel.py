@@ -217,6 +217,16 @@ def bf16_us(qn, qp, batch: int, ctx: int, args) -> float:
     return t
 
 
+def run_meta() -> dict:
+    """Card, UTC date, command line and torch version: the header of a result file."""
+    return {
+        "card": torch.cuda.get_device_name(0),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": " ".join(["python"] + sys.argv),
+        "torch": torch.__version__,
+    }
+
+
 def copy_bandwidth() -> float:
     """Device-to-device copy of 2 GiB, timed by triton's do_bench (a graph would turn it into a copy-engine
     memcpy node, slower than the copy kernel a plain launch runs). GB/s of bytes read + written."""
