@@ -8,7 +8,8 @@ For each shape it fills one cache (decode_kernel.build), times the BF16 Triton k
 same shape, then `mla_decode_int.cu` as it was at REV (or as FILE holds it), each --variant file, and the file as
 it is now, through the same launcher (the source swapped under `mla_decode_cuda.SRC`), each checked against the fp64 reference (decode_kernel.check) and timed as
 decode_kernel.bench does (CUDA-graph replays, L2 flushed, median). A change's effect is measured on the same
-machine, caches and clocks, which a comparison across result files cannot promise. Writes
+machine, caches and clocks, which a comparison across result files cannot promise. (A base whose kernel takes
+other arguments than the launcher passes, e.g. one from before the per-sequence split count, fails its check.) Writes
 decode_kernel_ab.{json,md} (--name changes the stem). Needs a GPU, nvcc, and git for a revision.
 """
 

@@ -83,9 +83,11 @@ def test_per_layer_formats_of_a_budget_calibration_graphs_equal_eager(tmp_path):
 
 # fp32, and bf16 with a BF16 pool: identical (H200, 2026-12-03). bf16 with an INT4 pool: 5 of the 6 outputs
 # identical, one diverged after 17 tokens: the recompute's prefill and the decode round bf16 differently, and
-# in a quantized pool a rounding difference can move a value across a quantization step.
+# in a quantized pool a rounding difference can move a value across a quantization step. fp32 with an INT4 pool:
+# 6 identical until the decode kernels' per-sequence split counts (2026-12-04: another summation order), 5 since;
+# the same mechanism (prefill and decode GEMMs of other shapes round differently, also in fp32).
 @pytest.mark.parametrize("dtype,fmts,identical", [(torch.float32, ("bf16", "bf16"), 6),
-                                                  (torch.float32, ("int4", "int4"), 6),
+                                                  (torch.float32, ("int4", "int4"), 5),
                                                   (torch.bfloat16, ("bf16", "bf16"), 6),
                                                   (torch.bfloat16, ("int4", "int4"), 4)])
 def test_default_model_preempted_on_the_gpu_gives_the_same_greedy_outputs(default_prompts, dtype, fmts, identical):

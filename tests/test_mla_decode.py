@@ -575,6 +575,50 @@ def graph_replays_match_reference(decode, fmts, H, dc=512, dr=64):
         check(out, lse, *mla_decode_reference(qn, qp, cache, table, lens_dev, slots, 0.05))
 
 
+def loose_bound_matches_exact(decode, fmts, H, length, bound, dc=512, dr=64, page=64):
+    """`decode` (a launcher with `mla_decode`'s contract) on three sequences of `length` tokens, with
+    max_seq_len = length and = bound (an engine's bound: its grid holds more splits): each sequence takes the
+    split count of its own length, so both give the same bits. Then a batch of mixed lengths under the bound
+    against the reference."""
+    cache, table, seq_lens, slots, _, _ = fill(fmts, dc, dr, [length] * 3, page=page, recent=128)
+    qn, qp = (q.bfloat16() for q in queries(3, H, dc, dr))
+    exact = decode(qn, qp, cache, table, seq_lens, slots, 0.05, max_seq_len=length)
+    loose = decode(qn, qp, cache, table, seq_lens, slots, 0.05, max_seq_len=bound)
+    assert torch.equal(exact[0], loose[0]) and torch.equal(exact[1], loose[1])
+    mixed = torch.tensor([length, length // 3, 1], dtype=torch.int32, device=seq_lens.device)
+    check(*decode(qn, qp, cache, table, mixed, slots, 0.05, max_seq_len=bound),
+          *mla_decode_reference(qn, qp, cache, table, mixed, slots, 0.05))  # fmt: skip
+
+
+def test_kernel_loose_bound_gives_the_exact_bounds_bits():
+    """The engine passes max_model_len: the Triton kernel sizes its grid for it (ceil(sqrt(8192) / 2) = 46 splits
+    here) but a 1100-token sequence still takes ceil(sqrt(1100) / 2) = 17."""
+    from quantmla.kernels.mla_decode import num_splits_for
+
+    cfg = default_config(fill(("int4", "int4:32"), 256, 32, [1], page=64)[0], 16)
+    assert num_splits_for(3, 16, 8192, cfg, 132) == 46 and num_splits_for(3, 16, 1100, cfg, 132) == 17
+    loose_bound_matches_exact(mla_decode, ("int4", "int4:32"), 16, 1100, 8192, dc=256, dr=32)
+
+
+def test_combine_reads_no_output_of_an_empty_split():
+    """A split with lse = -inf wrote no output (its bytes may be anything, NaN here): the combine skips them.
+    11 splits: two chunks of COMBINE_CHUNK = 8, empty ones in both; a sequence whose splits are all empty."""
+    from quantmla.kernels.mla_decode import combine_splits
+
+    po = torch.randn(3, 11, 4, 256, device=DEV)
+    plse = torch.randn(3, 11, 4, device=DEV) * 3
+    empty = [1, 8, 9]
+    po[:, empty], plse[:, empty] = float("nan"), float("-inf")
+    po[2], plse[2] = float("nan"), float("-inf")
+    out, lse = torch.empty(3, 4, 256, device=DEV), torch.empty(3, 4, device=DEV)
+    combine_splits(po, plse, out, lse)
+    live = [i for i in range(11) if i not in empty]
+    w = torch.softmax(plse[:2, live], 1)
+    torch.testing.assert_close(out[:2], (w[..., None] * po[:2, live]).sum(1))
+    torch.testing.assert_close(lse[:2], torch.logsumexp(plse[:2, live], 1))
+    assert torch.equal(out[2], torch.zeros_like(out[2])) and torch.isneginf(lse[2]).all()
+
+
 def packed_rows(cache, pads):
     """`cache` with pools whose rows lie further apart than their width (fields of one packed row, as in vLLM),
     the padding NaN (0x7F codes): pads = extra elements per row of (content codes, content scale / zero, rope

@@ -305,7 +305,8 @@ def test_body_splits(batch, length, want):
 
 if GPU:
     from test_mla_decode import (  # noqa: E402
-        check, fill, graph_replays_match_reference, kernel_matches_reference, packed_rows, queries)
+        check, fill, graph_replays_match_reference, kernel_matches_reference, loose_bound_matches_exact, packed_rows,
+        queries)
 
     from quantmla.kernels.mla_decode import mla_decode, mla_decode_reference  # noqa: E402
 
@@ -504,6 +505,16 @@ def test_shared_memory_fallback(monkeypatch):
     assert mdc.decode_kernel_name(cache, 16, dev) == "triton"
     with pytest.raises(ValueError, match="shared memory"):
         mdc.prepare(cache, dev)
+
+
+@needs_gpu
+@pytest.mark.parametrize("H,length", [(16, 1000), (16, 5000), (16, 12000), (128, 12000)])
+def test_cuda_kernel_loose_bound_gives_the_exact_bounds_bits(H, length):
+    """A 128 K bound sizes the grid (87 body splits at 16 heads); each sequence still takes body_splits at its own
+    length (`body_splits_of` in the kernel). Which term decides: the 256-token floor (1000), the square root
+    (5000), the 512-token floor (12000, 16 heads), one wave (12000, 128 heads)."""
+    assert mdc.body_splits(3, H, length, 132) < mdc.body_splits(3, H, 131072, 132)
+    loose_bound_matches_exact(mdc.mla_decode_cuda, ("int4", "int4"), H, length, 131072)
 
 
 @needs_gpu

@@ -99,7 +99,8 @@ def test_default_splits_leave_no_split_empty(heads, batch):
 
 if GPU:
     from test_mla_decode import (  # noqa: E402
-        check, fill, graph_replays_match_reference, kernel_matches_reference, packed_rows, queries)
+        check, fill, graph_replays_match_reference, kernel_matches_reference, loose_bound_matches_exact, packed_rows,
+        queries)
 
 LENS = [0, 1, 7, 131, 132, 133, 200, 257, 700, 4097]
 
@@ -126,6 +127,15 @@ def test_kernel_splits_and_bf16_out(splits):
 def test_kernel_windows_and_pages(sink, recent, page):
     """No protected rows, a window with no sink, a sink past the first tile of a page of two tiles."""
     _run(("int4", "int4"), 128, lens=[0, 5, 64, 65, 78, 79, 300, 1000], sink=sink, recent=recent, page=page)
+
+
+@needs_hopper
+def test_kernel_loose_bound_gives_the_exact_bounds_bits():
+    """A 128 K bound sizes the grid (22 splits for 3 x 128 heads); a 3000-token sequence still takes
+    `split_length`'s 12 splits of 4 tiles."""
+    assert mh.default_splits(3, 128, 3000, 132, sink=4, recent=128) == 12
+    assert mh.default_splits(3, 128, 131072, 132, sink=4, recent=128) == 22
+    loose_bound_matches_exact(mh.mla_decode_many_heads, ("int4", "int4"), 128, 3000, 131072)
 
 
 @needs_hopper

@@ -72,6 +72,7 @@ from quantmla.kernels.mla_decode_cuda import decode_kernel_name
 from quantmla.mla import latent_attention
 
 LOG2E = 1.4426950408889634
+COMBINE_CHUNK = 8  # splits `_combine_kernel` reads at once
 KIND_CODE = {"bf16": 0, "fp8": 1, "int8": 2, "int4": 2, "int2": 2}
 
 
@@ -124,8 +125,9 @@ class KernelConfig:
     scores as c q^T / the values as c^T p^T (tokens or channels as the M dimension of the tensor-core
     tile) instead of q c^T / p c; asm: dequantize integer codes with inline PTX (GPU only);
     ctas_per_sm: programs the split count aims to keep resident per SM; min_split: fewest tokens a split
-    is given (each split costs a partial output write and read of block_h * dc * 4 bytes); maxnreg: a
-    register cap per thread (more programs per SM, at the price of spills), None for the compiler's choice.
+    is given (`num_splits_for`; each split costs a partial output write and read of block_h * dc * 4
+    bytes); maxnreg: a register cap per thread (more programs per SM, at the price of spills), None for the
+    compiler's choice.
     """
 
     block_h: int = 16
@@ -136,7 +138,7 @@ class KernelConfig:
     values_t: bool = False
     asm: bool = True
     ctas_per_sm: int = 2
-    min_split: int = 512
+    min_split: int = 64
     maxnreg: int | None = None
 
 
@@ -447,7 +449,7 @@ if triton is not None:
             acc = _mm(p.to(tl.bfloat16), c, acc * alpha[:, None], F32)
         return m_new, l_i, acc
 
-    @triton.jit(do_not_specialize=["bt_stride", "H", "num_splits"])
+    @triton.jit(do_not_specialize=["bt_stride", "H", "num_splits", "min_split"])
     def _mla_decode_kernel(
         qn_ptr,  # [B, H, DC] any float dtype, contiguous
         qp_ptr,  # [B, H, DR]
@@ -466,7 +468,8 @@ if triton is not None:
         o_ptr,  # [B, num_splits, H, DC] (fp32 partials, or the output when num_splits == 1)
         lse_ptr,  # fp32 [B, num_splits, H]
         H,
-        num_splits,
+        num_splits,  # splits in the grid (sized for max_seq_len)
+        min_split,  # > 0: each sequence takes `num_splits_for` at its own length (this its min_split); 0: all
         qk_scale,  # sm_scale * log2(e)
         DC: tl.constexpr,
         DR: tl.constexpr,
@@ -519,7 +522,14 @@ if triton is not None:
         n_s = tl.minimum(L, SINK)
         n_p = n_s + tl.maximum(L - q_hi, 0)  # protected work: the sink positions, then [q_hi, L)
         nt = nt_q + tl.cdiv(n_p, BLOCK_N)
-        per_split = tl.cdiv(nt, num_splits)
+        # This sequence's own split count, num_splits_for at its length (the grid's is for max_seq_len): the
+        # splits past it are empty and write lse = -inf alone. root = ceil(sqrt(L) / 2), exactly.
+        L1 = tl.maximum(L, 1)
+        root = tl.ceil(tl.sqrt(L1.to(tl.float32)) * 0.5).to(tl.int32)
+        root = root - (4 * (root - 1) * (root - 1) >= L1).to(tl.int32) + (4 * root * root < L1).to(tl.int32)
+        own = tl.minimum(tl.minimum(num_splits, tl.cdiv(L1, tl.maximum(min_split, 1))), root)
+        own = tl.where(min_split > 0, tl.maximum(own, 1), num_splits)
+        per_split = tl.cdiv(nt, own)
         t_start = split * per_split
         t_end = tl.minimum(t_start + per_split, nt)
 
@@ -530,8 +540,9 @@ if triton is not None:
         # A ranked content path (DCB < DC) stores only channels [0, DCB): the body tiles multiply over those
         # alone, into their own accumulator acc_b, and the protected rows (all DC channels) into acc.
         RANKED: tl.constexpr = DCB < DC
-        qn = _load_queries(qn_ptr, bh, hmask, DC, DCB, S_T)
-        qp = _load_queries(qp_ptr, bh, hmask, DR, DR, S_T)
+        busy = hmask & (tl.zeros_like(heads) + t_start < t_end)  # an empty split reads no queries either
+        qn = _load_queries(qn_ptr, bh, busy, DC, DCB, S_T)
+        qp = _load_queries(qp_ptr, bh, busy, DR, DR, S_T)
         acc_b = _zeros_acc(BLOCK_H, DCB, V_T)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
@@ -589,40 +600,50 @@ if triton is not None:
         if RANKED:
             acc = acc + _widen(acc_b, DCB, DC, V_T)
 
-        # An empty split (or sequence) stores out = 0, lse = -inf; the combine gives it weight 0.
+        # An empty split stores lse = -inf alone (the combine reads no output where lse is -inf); an empty
+        # sequence with one split stores out = 0 too (there the output is the result).
         ok = l_i > 0
         l_safe = tl.where(ok, l_i, 1.0)
         lse = tl.where(ok, (m_i + tl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         row = (b * num_splits + split) * H + heads
+        write = hmask & (ok | (tl.zeros_like(heads) + num_splits == 1))  # (a tensor: the interpreter)
         if V_T:
             out = acc / l_safe[None, :]
-            tl.store(o_ptr + row[None, :] * DC + dc[:, None], out.to(o_ptr.dtype.element_ty), mask=hmask[None, :])
+            tl.store(o_ptr + row[None, :] * DC + dc[:, None], out.to(o_ptr.dtype.element_ty), mask=write[None, :])
         else:
             out = acc / l_safe[:, None]
-            tl.store(o_ptr + row[:, None] * DC + dc[None, :], out.to(o_ptr.dtype.element_ty), mask=hmask[:, None])
+            tl.store(o_ptr + row[:, None] * DC + dc[None, :], out.to(o_ptr.dtype.element_ty), mask=write[:, None])
         tl.store(lse_ptr + row, lse, mask=hmask)
 
     @triton.jit(do_not_specialize=["H", "num_splits"])
-    def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, H, num_splits, DC: tl.constexpr):
-        """Merge the splits of one (head, sequence): weights exp(lse_s - max), renormalized."""
+    def _combine_kernel(po_ptr, plse_ptr, o_ptr, lse_ptr, H, num_splits, DC: tl.constexpr, CH: tl.constexpr):
+        """Merge the splits of one (head, sequence): weights exp(lse_s - max), renormalized. The splits are read
+        CH at a time (a grid sized for a loose max_seq_len holds many); an empty split (lse -inf) wrote no
+        output, and none is read."""
         h = tl.program_id(0)
         b = tl.program_id(1)
         row0 = b * num_splits * H + h
-        m = tl.full([], float("-inf"), tl.float32)
-        for i in range(0, num_splits):
-            m = tl.maximum(m, tl.load(plse_ptr + row0 + i * H))
-        m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, lse -inf
+        s = tl.arange(0, CH)
+        m = tl.full([CH], float("-inf"), tl.float32)
+        for s0 in range(0, num_splits, CH):
+            m = tl.maximum(m, tl.load(plse_ptr + row0 + (s0 + s) * H, mask=s0 + s < num_splits, other=float("-inf")))
+        mx = tl.max(m, 0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # all splits empty: weights 0, lse -inf
         dc = tl.arange(0, DC)
         acc = tl.zeros([DC], tl.float32)
-        tot = tl.zeros([], tl.float32)
-        for i in range(0, num_splits):
-            w = tl.exp(tl.load(plse_ptr + row0 + i * H) - m)
-            acc += w * tl.load(po_ptr + (row0 + i * H) * DC + dc)
+        tot = tl.zeros([CH], tl.float32)
+        for s0 in range(0, num_splits, CH):
+            lse_s = tl.load(plse_ptr + row0 + (s0 + s) * H, mask=s0 + s < num_splits, other=float("-inf"))
+            w = tl.exp(lse_s - mx)
+            live = (lse_s > float("-inf"))[:, None] & (dc < DC)[None, :]
+            po = tl.load(po_ptr + (row0 + (s0 + s) * H)[:, None] * DC + dc[None, :], mask=live, other=0.0)
+            acc += tl.sum(w[:, None] * po, 0)
             tot += w
-        ok = tot > 0
-        out = acc / tl.where(ok, tot, 1.0)
+        total = tl.sum(tot, 0)
+        ok = total > 0
+        out = acc / tl.where(ok, total, 1.0)
         tl.store(o_ptr + (b * H + h) * DC + dc, out.to(o_ptr.dtype.element_ty))
-        tl.store(lse_ptr + b * H + h, tl.where(ok, m + tl.log(tl.where(ok, tot, 1.0)), float("-inf")))
+        tl.store(lse_ptr + b * H + h, tl.where(ok, mx + tl.log(tl.where(ok, total, 1.0)), float("-inf")))
 
 
 def _path_args(path: PagedPath) -> tuple[list[torch.Tensor], tuple[int, int, int, bool]]:
@@ -664,11 +685,16 @@ def _row_strides(path: PagedPath) -> tuple[int, int]:
 
 
 def num_splits_for(batch: int, num_heads: int, max_seq_len: int, cfg: KernelConfig, num_sms: int) -> int:
-    """Splits per sequence: enough programs to keep every SM busy (cfg.ctas_per_sm), but no split shorter
-    than cfg.min_split tokens (each split costs a partial output write and read)."""
+    """Splits of a sequence of max_seq_len tokens: enough programs to keep every SM busy (cfg.ctas_per_sm),
+    about sqrt(L) / 2 of them (each split costs a partial output write and read; the balance grows with the
+    square root of the length: on the H200 at B = 1 the fastest counts were 16 / 32 / 64 at 1 / 4 / 16 K,
+    benchmarks/results/decode_kernel_min_split.md), and none shorter than cfg.min_split tokens. The kernel
+    applies the same rule to each sequence's own length, within this count."""
     programs = batch * triton.cdiv(num_heads, cfg.block_h)
     want = max(1, round(num_sms * cfg.ctas_per_sm / programs))
-    return max(1, min(want, triton.cdiv(max(max_seq_len, 1), cfg.min_split)))
+    length = max(max_seq_len, 1)
+    root = -(-(math.isqrt(length - 1) + 1) // 2)  # ceil(sqrt(length) / 2)
+    return max(1, min(want, root, triton.cdiv(length, cfg.min_split)))
 
 
 @dataclass(frozen=True)
@@ -685,9 +711,10 @@ class Launch:
 
 def triton_launch(q_nope_absorbed, q_pe, cache: PagedMLACache, block_tables, seq_lens, slots, sm_scale: float,
                   cfg: KernelConfig, num_splits: int, out_dtype: torch.dtype, *, asm: bool,
-                  interpreting: bool) -> Launch:
+                  interpreting: bool, min_split: int = 0) -> Launch:
     """The launch `mla_decode` makes (arguments as there); asm / interpreting: the USE_ASM and F32_DOT
-    constexprs. Apart from running it, so that `kernels.offline` can compile the very same launch for a GPU
+    constexprs; min_split > 0: each sequence takes `num_splits_for` (with this min_split) at its own length,
+    within the grid's num_splits; 0: every sequence uses all num_splits. Apart from running it, so that `kernels.offline` can compile the very same launch for a GPU
     the machine does not have."""
     B, H, dc = q_nope_absorbed.shape
     dr = q_pe.shape[-1]
@@ -705,7 +732,7 @@ def triton_launch(q_nope_absorbed, q_pe, cache: PagedMLACache, block_tables, seq
                          f"channels (tensor-core tiles); got page {cache.block_size}, dims {dc}/{dr}")  # fmt: skip
     args = (qn, qp, *c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope,
             block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse,
-            H, num_splits, sm_scale * LOG2E,
+            H, num_splits, min_split, sm_scale * LOG2E,
             dc, dr, *c_const, *_row_strides(cache.content), *r_const, *_row_strides(cache.rope),
             _stored_groups(cache.content), _stored_groups(cache.rope), _body_channels(cache.content), cache.content.block, cache.rope.block, cache.block_size, cache.sink, cache.recent, *cache.rings,
             cfg.block_h, block_n, cfg.scores_t, cfg.values_t, asm, interpreting)  # fmt: skip
@@ -788,10 +815,12 @@ def mla_decode(
         return launch(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, max_seq_len=max_seq_len,
                       out_dtype=out_dtype, num_splits=num_splits, num_sms=_sm_count(dev))  # fmt: skip
     cfg = config or default_config(cache, H)
-    if num_splits is None:
-        num_splits = num_splits_for(B, H, max_seq_len, cfg, _sm_count(dev))
+    min_split = 0  # a caller's num_splits holds for every sequence
+    if num_splits is None:  # sized for max_seq_len; each sequence takes num_splits_for at its own length
+        num_splits, min_split = num_splits_for(B, H, max_seq_len, cfg, _sm_count(dev)), cfg.min_split
     launch = triton_launch(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, cfg, num_splits,
-                           out_dtype, asm=cfg.asm and not _interpreting(), interpreting=_interpreting())
+                           out_dtype, asm=cfg.asm and not _interpreting(), interpreting=_interpreting(),
+                           min_split=min_split)
     try:
         _mla_decode_kernel[launch.grid](*launch.args, **launch.options)
     except OutOfResources as e:
@@ -824,7 +853,7 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
     """Merge the partials of `split_outputs` into out / lse (nothing to do for one split)."""
     if part_o is not out:
         B, num_splits, H, dc = part_o.shape
-        _combine_kernel[(H, B)](part_o, part_lse, out, lse, H, num_splits, dc, num_warps=4)
+        _combine_kernel[(H, B)](part_o, part_lse, out, lse, H, num_splits, dc, COMBINE_CHUNK, num_warps=4)
 
 
 decode = mla_decode  # the kernel's entry point; quantmla.decode_step.decode_step is a whole layer's step

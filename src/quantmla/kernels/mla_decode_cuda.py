@@ -329,8 +329,11 @@ def prepare(cache, device) -> None:
         raise ValueError(f"the CUDA decode kernel cannot run this: {got}")
 
 
+PROT_TILES = 12  # as PROT_TILES in mla_decode_int.cu
+
+
 def body_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, protected: bool = True,
-                ctas_per_sm: int = 2, prot_tiles: int = 12) -> int:
+                ctas_per_sm: int = 2) -> int:
     """Splits of the quantized body per sequence.
 
     Each split costs a prologue (the q fragments) and a partial output to combine; fewer, longer splits leave
@@ -341,23 +344,32 @@ def body_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, prot
     B = 1, 4, 16 at 4 K, 16 K, 64 K) this picks the fastest count measured in every cell.
     With protected rows, each sequence also has a protected split: leaving a slot for it (one body split
     fewer) costs a longer body split; not leaving one makes a few body CTAs start when the first protected
-    splits end, about prot_tiles tiles late (measured on the H200, decode_kernel_cuda_v2.md). The rule takes
-    whichever costs fewer tiles."""
+    splits end, about PROT_TILES tiles late (measured on the H200, decode_kernel_cuda_v2.md). The rule takes
+    whichever costs fewer tiles.
+    The kernel applies this rule to each sequence's own length (`body_splits_of` in mla_decode_int.cu, the
+    same integer arithmetic, from `split_terms`' fit and ctas), within the grid's count for max_seq_len."""
+    fit, ctas = split_terms(batch, num_heads, num_sms, ctas_per_sm)
     length = max(max_seq_len, 1)
-    ctas = batch * -(-num_heads // 16)
-    fit = max(1, (num_sms * ctas_per_sm) // max(ctas, 1))
     tiles = lambda n: -(-length // (NT * n))  # noqa: E731
-    if protected and fit > 1 and tiles(fit - 1) - tiles(fit) <= prot_tiles:
+    if protected and fit > 1 and tiles(fit - 1) - tiles(fit) <= PROT_TILES:
         fit -= 1
     shortest = 256 if ctas * -(-length // 256) <= num_sms else 512
-    return max(1, min(fit, math.ceil(math.sqrt(length) / 4), -(-length // shortest)))
+    root = -(-(math.isqrt(length - 1) + 1) // 4)  # ceil(sqrt(length) / 4)
+    return max(1, min(fit, root, -(-length // shortest)))
+
+
+def split_terms(batch: int, num_heads: int, num_sms: int, ctas_per_sm: int = 2) -> tuple[int, int]:
+    """(fit, ctas) of `body_splits`: blocks one sequence gets in one wave of ctas_per_sm blocks per SM, and
+    blocks per split index (sequences x 16-head blocks)."""
+    ctas = max(1, batch * -(-num_heads // 16))
+    return max(1, (num_sms * ctas_per_sm) // ctas), ctas
 
 
 def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, *, max_seq_len: int,
                     out_dtype=torch.float32, num_splits: int | None = None, num_sms: int = 132):
     """The CUDA kernel + the Triton split combine. Contract: the module docstring. num_splits: body splits
     (default `body_splits`); max_seq_len: an upper bound on seq_lens (sizes the splits; no host sync)."""
-    from quantmla.kernels.mla_decode import LOG2E, _combine_kernel  # the Triton combine, shared
+    from quantmla.kernels.mla_decode import LOG2E, combine_splits  # the Triton combine, shared
 
     reason = unsupported_reason(cache, q_nope_absorbed.shape[1], q_nope_absorbed.device)
     if reason:
@@ -378,6 +390,8 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
     lens = seq_lens.int().contiguous()
     slots = (torch.arange(B, dtype=torch.int32, device=dev) if slots is None else slots).int().contiguous()
     nsb = num_splits or body_splits(B, H, max_seq_len, num_sms, protected=cache.window > 0)
+    # each sequence takes body_splits at its own length within nsb; a caller's num_splits holds for all (fit 0)
+    fit, ctas = split_terms(B, H, num_sms) if not num_splits else (0, 0)
     nst = nsb + (1 if cache.window else 0)
     out = torch.empty(B, H, dc, dtype=out_dtype, device=dev)
     lse = torch.empty(B, H, dtype=torch.float32, device=dev)
@@ -401,7 +415,8 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
         P(cache.protected_content.data_ptr()), P(cache.protected_rope.data_ptr()),
         P(bt.data_ptr()), ctypes.c_int(bt.stride(0)), P(lens.data_ptr()), P(slots.data_ptr()),
         P(po.data_ptr()), P(plse.data_ptr()),
-        ctypes.c_int(H), ctypes.c_int(nsb), ctypes.c_int(nst), ctypes.c_float(sm_scale * LOG2E),
+        ctypes.c_int(H), ctypes.c_int(nsb), ctypes.c_int(nst), ctypes.c_int(fit), ctypes.c_int(ctas),
+        ctypes.c_int(num_sms), ctypes.c_float(sm_scale * LOG2E),
         ctypes.c_longlong(c.codes.stride(1)), row(c.scale),  # code rows in bytes, scale rows in elements
         ctypes.c_longlong(r.codes.stride(1) * r.codes.element_size()), row(r.scale),
         ctypes.c_int(cache.block_size), ctypes.c_int(cache.sink), ctypes.c_int(cache.window),
@@ -409,8 +424,8 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(dev).cuda_stream
     _check(_cu().cuLaunchKernel(P(fn), nst, B, -(-H // 16), 32 * (dc // 64), 1, 1, smem, P(stream), params, None), "cuLaunchKernel")
-    _combine_kernel[(H, B)](po, plse, out, lse, H, nst, dc, num_warps=4)
+    combine_splits(po, plse, out, lse)
     return out, lse
 
 
-__all__ = ["ENV", "auto_cuda_max_batch", "auto_kernel", "auto_prefers_cuda", "body_splits", "decode_kernel_name", "mla_decode_cuda", "prepare", "unsupported_reason"]
+__all__ = ["ENV", "auto_cuda_max_batch", "auto_kernel", "auto_prefers_cuda", "body_splits", "decode_kernel_name", "mla_decode_cuda", "prepare", "split_terms", "unsupported_reason"]

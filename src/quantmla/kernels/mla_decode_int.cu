@@ -29,7 +29,7 @@
 //           (128 + mid) (an mma with a constant B: the same rounded P', so the offset cancels exactly), and
 //           warp 0 accumulates W[h, g] = P . (zero + mid * scale)[t, g] (hi + lo bf16, all groups at once).
 //           At the end O = o - corr + W[., w]. Column n of value tile jn is channel 64 w + 8 n + jn.
-// Protected BF16 rows (sink + recent window) are one extra split per sequence (split index nsb), prefetched to
+// Protected BF16 rows (sink + recent window) are one extra split per sequence (split index 0), prefetched to
 // L2 and read from global memory (clamped to a valid row: P = 0 drops the rest) with q in bf16, plain order.
 // Codes of body tiles are staged in shared memory by cp.async (STAGES deep); the scales and zeros of the next
 // tile are loaded into registers one tile ahead (branch-free) and converted when stored to shared memory.
@@ -344,6 +344,19 @@ __device__ __forceinline__ int vpos(int tok) {
   return (tok & ~15) | ((tok & 6) << 1) | ((tok >> 2) & 2) | (tok & 1);
 }
 
+// Body splits of one sequence of L tokens: `body_splits` of mla_decode_cuda.py, the same integer arithmetic
+// (fit: blocks of a sequence in one wave, before the protected split's slot; ctas: blocks per split index).
+constexpr int PROT_TILES = 12;
+__device__ __forceinline__ int body_splits_of(int L, int fit, int ctas, int num_sms, bool protected_rows) {
+  const int length = max(L, 1);
+  auto tiles = [&](int n) { return (length + NT * n - 1) / (NT * n); };
+  if (protected_rows && fit > 1 && tiles(fit - 1) - tiles(fit) <= PROT_TILES) fit -= 1;
+  const int shortest = (long long)ctas * ((length + 255) / 256) <= num_sms ? 256 : 512;
+  int root = 1;  // ceil(sqrt(length) / 4): the least root with 16 root^2 >= length
+  while (16 * root * root < length) ++root;
+  return max(1, min(min(fit, root), (length + shortest - 1) / shortest));
+}
+
 // ---- the kernel ----------------------------------------------------------------------------------------
 
 extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
@@ -353,8 +366,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     const __nv_bfloat16* __restrict__ pc_ptr, const __nv_bfloat16* __restrict__ pr_ptr,
     const int* __restrict__ bt_ptr, int bt_stride, const int* __restrict__ lens_ptr,
     const int* __restrict__ slots_ptr, float* __restrict__ po_ptr, float* __restrict__ plse_ptr,
-    int H, int nsb, int nst, float qk_scale, long long c_row, long long c_sz_row, long long r_row,
-    long long r_sz_row, int page, int sink, int window) {
+    int H, int nsb, int nst, int fit, int ctas, int num_sms, float qk_scale, long long c_row, long long c_sz_row,
+    long long r_row, long long r_sz_row, int page, int sink, int window) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
@@ -364,17 +377,27 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   const int jt0 = CS == 1 ? 2 * w : 2 * (w % NQ) + w / NQ;  // first n8 tile of this warp's scores (tokens 8 jt0 ..)
 
   // Work: body tiles (positions [sink, q_hi), tiles of NT aligned to position 0) split over nsb splits;
-  // split nsb (present when window > 0) takes the protected rows [0, min(L, window)).
+  // split 0, present when window > 0, takes the protected rows [0, min(L, window)), and body split s is split
+  // s + 1. (First, so that the live splits keep their places in the partials whatever nsb is: the combine
+  // then sums them in the same order under any bound.)
   const int L = lens_ptr[b];
   const int n_q = max(L - window, 0);
   const int q_hi = sink + n_q;
   const int t_lo = sink / NT;
   const int nt_q = n_q > 0 ? (q_hi + NT - 1) / NT - t_lo : 0;
-  const bool prot_split = split >= nsb;
+  const bool prot_split = window > 0 && split == 0;
+  const int body_split = split - (window > 0);
   int tb, te;
   if (!prot_split) {
-    const int per = (nt_q + nsb - 1) / nsb;
-    tb = split * per;
+    // nsb is sized for max_seq_len; the sequence takes its own count (fit = 0: nsb as given). A split past it
+    // has no tiles and writes lse = -inf alone (the combine reads no output there).
+    const int own = fit > 0 ? min(nsb, body_splits_of(L, fit, ctas, num_sms, window > 0)) : nsb;
+    if (body_split >= own) {
+      if (tid < 16 && h0 + tid < H) plse_ptr[((long long)b * nst + split) * H + h0 + tid] = -INFINITY;
+      return;
+    }
+    const int per = (nt_q + own - 1) / own;
+    tb = body_split * per;
     te = min(tb + per, nt_q);
   } else {
     tb = 0;

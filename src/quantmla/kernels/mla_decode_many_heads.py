@@ -236,7 +236,7 @@ if gluon is not None:
                           use_acc=False, is_async=True)
         return warpgroup_mma(qr_s, kr_s.index(buf).permute((1, 0)), s, is_async=True)
 
-    @gluon.jit(do_not_specialize=["bt_stride", "H", "num_splits"])
+    @gluon.jit(do_not_specialize=["bt_stride", "H", "num_splits", "want", "min_tiles"])
     def _many_heads_kernel(
         qn_ptr, qp_ptr,  # [B, H, DC], [B, H, DR] bf16/fp32, contiguous
         cc_ptr, cs_ptr, cz_ptr,  # content codes / scale / zero pools
@@ -244,7 +244,7 @@ if gluon is not None:
         pc_ptr, pr_ptr,  # protected bf16 [slots, SINK + ring, DC] / [.., DR]
         bt_ptr, bt_stride, lens_ptr, slots_ptr,
         o_ptr, lse_ptr,  # [B, num_splits, H, DC], fp32 [B, num_splits, H]
-        H, num_splits, qk_scale,
+        H, num_splits, want, min_tiles, qk_scale,  # splits: `split_length`'s (want, min_tiles), grid num_splits
         DC: gl.constexpr, DR: gl.constexpr,
         C_KIND: gl.constexpr, C_BITS: gl.constexpr, C_GROUP: gl.constexpr, C_GB: gl.constexpr,
         C_SCALED: gl.constexpr,
@@ -267,7 +267,9 @@ if gluon is not None:
         n_s = gl.minimum(L, SINK)
         n_p = n_s + gl.maximum(L - q_hi, 0)
         nt = nt_q + (n_p + 63) // 64
-        per_split = (nt + num_splits - 1) // num_splits
+        # `split_length` at this sequence's own length, within the grid's num_splits (sized for max_seq_len):
+        # the splits past the last tile are empty and write lse = -inf alone.
+        per_split = gl.maximum(gl.maximum(min_tiles, (nt + want - 1) // want), (nt + num_splits - 1) // num_splits)
         t_start = split * per_split
         t_end = gl.minimum(t_start + per_split, nt)
 
@@ -275,11 +277,12 @@ if gluon is not None:
         # 2^-e, the power of two that keeps the CTA's largest |q| below 2^14 (exact; S is scaled back by 2^e)
         hq = gl.arange(0, 64, layout=gl.SliceLayout(1, LPC))
         dq = gl.arange(0, DC, layout=gl.SliceLayout(0, LPC))
-        q = gl.load(qn_ptr + (b * H + h0 + hq)[:, None] * DC + dq[None, :], mask=(h0 + hq < H)[:, None],
+        busy = t_start < t_end  # an empty split reads no Q either
+        q = gl.load(qn_ptr + (b * H + h0 + hq)[:, None] * DC + dq[None, :], mask=((h0 + hq < H) & busy)[:, None],
                     other=0.0).to(gl.float32)
         hr = gl.arange(0, 64, layout=gl.SliceLayout(1, LPR))
         dr = gl.arange(0, DR, layout=gl.SliceLayout(0, LPR))
-        qr = gl.load(qp_ptr + (b * H + h0 + hr)[:, None] * DR + dr[None, :], mask=(h0 + hr < H)[:, None],
+        qr = gl.load(qp_ptr + (b * H + h0 + hr)[:, None] * DR + dr[None, :], mask=((h0 + hr < H) & busy)[:, None],
                      other=0.0).to(gl.float32)
         amax = gl.maximum(gl.max(gl.max(gl.abs(q), 1), 0), gl.max(gl.max(gl.abs(qr), 1), 0))
         e = gl.maximum(gl.ceil(gl.log2(gl.maximum(amax, 1.0))) - 14.0, 0.0)
@@ -342,8 +345,8 @@ if gluon is not None:
         ho = gl.arange(0, 64, layout=gl.SliceLayout(1, O_L))
         do = gl.arange(0, DC, layout=gl.SliceLayout(0, O_L))
         row = (b * num_splits + split) * H + h0 + ho
-        gl.store(o_ptr + row[:, None] * DC + do[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=(h0 + ho < H)[:, None])
+        write = (h0 + ho < H) & (busy | (num_splits == 1))  # the combine skips an empty split's output
+        gl.store(o_ptr + row[:, None] * DC + do[None, :], out.to(o_ptr.dtype.element_ty), mask=write[:, None])
         hl = gl.arange(0, 64, layout=gl.SliceLayout(1, S_L))
         gl.store(lse_ptr + (b * num_splits + split) * H + h0 + hl, lse, mask=h0 + hl < H)
 
@@ -407,18 +410,23 @@ def tiles_walked(length: int, sink: int, recent: int) -> int:
     return body + -(-protected // 64)
 
 
+def split_length(batch: int, num_heads: int, num_sms: int, min_split: int = 256) -> tuple[int, int]:
+    """(want, min_tiles): a sequence of `tiles` tiles (`tiles_walked`) is cut into splits of
+    per = max(min_tiles, ceil(tiles / want)) tiles, split s taking tiles [s * per, (s + 1) * per): about one CTA
+    per SM (one fits: 225 KB of shared memory), none shorter than min_split tokens, and the fewest splits of
+    that length. The kernel applies it to each sequence's own length. Measured:
+    benchmarks/results/decode_kernel_heads_split.md and decode_kernel_heads_history.md (min_split)."""
+    ctas = batch * -(-num_heads // BLOCK_H)
+    return max(1, round(num_sms / max(ctas, 1))), -(-min_split // BLOCK_N)
+
+
 def default_splits(batch: int, num_heads: int, max_seq_len: int, num_sms: int, min_split: int = 256,
                    sink: int = 0, recent: int = 0) -> int:
-    """Splits per sequence: about one CTA per SM (one fits: 225 KB of shared memory), no more than one per
-    min_split tokens, and then the fewest splits of that length. The kernel gives split s the tiles [s * per,
-    (s + 1) * per) with per = ceil(tiles / splits) (`tiles_walked`), so a larger count would only leave splits
-    empty. sink / recent: the cache's. Measured: benchmarks/results/decode_kernel_heads_split.md and
-    decode_kernel_heads_history.md (min_split)."""
-    ctas = batch * -(-num_heads // BLOCK_H)
-    want = max(1, round(num_sms / max(ctas, 1)))
+    """The splits of a sequence of max_seq_len tokens under `split_length` (the grid's split count; a shorter
+    sequence leaves the splits past its tiles empty). sink / recent: the cache's."""
+    want, min_tiles = split_length(batch, num_heads, num_sms, min_split)
     tiles = max(1, tiles_walked(max_seq_len, sink, recent))
-    per = max(-(-min_split // BLOCK_N), -(-tiles // want))
-    return -(-tiles // per)
+    return -(-tiles // max(min_tiles, -(-tiles // want)))
 
 
 def _code_layout(dim: int, group: int, bits: int, vec: int = 16):
@@ -507,8 +515,11 @@ def mla_decode_many_heads(
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     variant = dict(variant or {})
     min_split = variant.pop("min_split", 256)
-    if num_splits is None:
+    if num_splits is None:  # sized for max_seq_len; each sequence takes `split_length` at its own length
+        want, min_tiles = split_length(B, H, num_sms, min_split)
         num_splits = default_splits(B, H, max_seq_len, num_sms, min_split, cache.sink, cache.recent)
+    else:  # a caller's num_splits holds for every sequence
+        want, min_tiles = num_splits, 1
     if slots is None:
         slots = torch.arange(B, dtype=torch.int32, device=dev)
     from quantmla.kernels.mla_decode import combine_splits, split_outputs
@@ -525,7 +536,7 @@ def mla_decode_many_heads(
 
     _many_heads_kernel[(num_splits, B, math.ceil(H / BLOCK_H))](
         qn, qp, *ptrs(c), *ptrs(r), cache.protected_content, cache.protected_rope, block_tables,
-        block_tables.stride(0), seq_lens, slots, part_o, part_lse, H, num_splits, sm_scale * LOG2E,
+        block_tables.stride(0), seq_lens, slots, part_o, part_lse, H, num_splits, want, min_tiles, sm_scale * LOG2E,
         **{**kernel_constexprs(cache), **VARIANT, **variant}, num_warps=NUM_WARPS,
     )  # fmt: skip
     combine_splits(part_o, part_lse, out, lse)
