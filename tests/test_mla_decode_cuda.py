@@ -301,6 +301,36 @@ def test_body_splits(batch, length, want):
     assert mdc.body_splits(batch, 16, length, 132, protected=False) >= want
 
 
+def test_device_split_rule_is_body_splits(tmp_path):
+    """`body_splits_of` in mla_decode_int.cu (each block's own split count) compiled as host C++ and run over
+    lengths, batches and head counts: it gives `body_splits` (the grid's count) in every case, so a sequence
+    under a loose bound is cut as under its exact one. Needs a host C++ compiler."""
+    import re
+    import shutil
+    import subprocess
+
+    cxx = shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        pytest.skip("no host C++ compiler")
+    src = mdc.SRC.read_text()
+    fn = re.search(r"__device__ __forceinline__ int body_splits_of\(.*?\n}\n", src, re.S).group(0)
+    consts = re.search(r"#define NT \d+", src).group(0) + "\n" + re.search(r"constexpr int PROT_TILES = \d+;", src).group(0)
+    cases = [(L, b, h, sms, prot) for L in [0, 1, 100, 257, 1000, 4096, 8448, 8449, 9216, 12000, 16384, 33792, 33793,
+                                            65536, 100000, 131072]
+             for b in [1, 3, 4, 16, 64] for h in [16, 128] for sms in [132, 78] for prot in [0, 1]]  # fmt: skip
+    rows = "\n".join(f"{L} {mdc.split_terms(b, h, sms)[0]} {mdc.split_terms(b, h, sms)[1]} {sms} {prot}"
+                     for L, b, h, sms, prot in cases)  # fmt: skip
+    prog = tmp_path / "rule.cpp"
+    prog.write_text("#include <algorithm>\n#include <cstdio>\nusing std::max; using std::min;\n"
+                    "#define __device__\n#define __forceinline__ inline\n" + consts + "\n" + fn +
+                    "int main() { int L, f, c, s, p; while (scanf(\"%d %d %d %d %d\", &L, &f, &c, &s, &p) == 5)"
+                    " printf(\"%d\\n\", body_splits_of(L, f, c, s, p)); }\n")  # fmt: skip
+    subprocess.run([cxx, "-std=c++17", "-O1", "-o", str(tmp_path / "rule"), str(prog)], check=True)
+    got = subprocess.run([str(tmp_path / "rule")], input=rows, capture_output=True, text=True, check=True).stdout.split()
+    want = [mdc.body_splits(b, h, L, sms, protected=bool(prot)) for L, b, h, sms, prot in cases]
+    assert [int(g) for g in got] == want
+
+
 # --- the kernel on the GPU ------------------------------------------------------------------------------------
 
 if GPU:
