@@ -318,8 +318,7 @@ def test_device_split_rule_is_body_splits(tmp_path):
     cases = [(L, b, h, sms, prot) for L in [0, 1, 100, 257, 1000, 4096, 8448, 8449, 9216, 12000, 16384, 33792, 33793,
                                             65536, 100000, 131072]
              for b in [1, 3, 4, 16, 64] for h in [16, 128] for sms in [132, 78] for prot in [0, 1]]  # fmt: skip
-    rows = "\n".join(f"{L} {mdc.split_terms(b, h, sms)[0]} {mdc.split_terms(b, h, sms)[1]} {sms} {prot}"
-                     for L, b, h, sms, prot in cases)  # fmt: skip
+    rows = "\n".join(" ".join(map(str, (L, *mdc.split_terms(b, h, sms), sms, prot))) for L, b, h, sms, prot in cases)
     prog = tmp_path / "rule.cpp"
     prog.write_text("#include <algorithm>\n#include <cstdio>\nusing std::max; using std::min;\n"
                     "#define __device__\n#define __forceinline__ inline\n" + consts + "\n" + fn +

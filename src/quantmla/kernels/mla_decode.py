@@ -714,8 +714,8 @@ def triton_launch(q_nope_absorbed, q_pe, cache: PagedMLACache, block_tables, seq
                   interpreting: bool, min_split: int = 0) -> Launch:
     """The launch `mla_decode` makes (arguments as there); asm / interpreting: the USE_ASM and F32_DOT
     constexprs; min_split > 0: each sequence takes `num_splits_for` (with this min_split) at its own length,
-    within the grid's num_splits; 0: every sequence uses all num_splits. Apart from running it, so that `kernels.offline` can compile the very same launch for a GPU
-    the machine does not have."""
+    within the grid's num_splits; 0: every sequence uses all num_splits. Apart from running it, so that
+    `kernels.offline` can compile the very same launch for a GPU the machine does not have."""
     B, H, dc = q_nope_absorbed.shape
     dr = q_pe.shape[-1]
     dev = q_nope_absorbed.device
