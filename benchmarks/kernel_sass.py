@@ -11,7 +11,7 @@
 instructions to the N source lines with the most of them (compiled with -lineinfo, which leaves the code as is).
 
 Needs a Triton whose NVIDIA backend ships `nvdisasm` and `cuobjdump` (the pip wheels do) and, for
-`--kernel gluon`, `triton.experimental.gluon` (Triton 3.6). Prints registers, stack / local memory, shared
+`--kernel gluon`, `triton.experimental.gluon` (Triton 3.6-3.9). Prints registers, stack / local memory, shared
 memory, the total static instruction count, and for every loop (a backward branch, in address order; for the
 Gluon kernel the first is the body-tile loop and the last the protected-rows loop) its instruction count and
 its memory operations (LDG / LDS / LDSM / LDGSTS / STS / LDL / STL / HGMMA by full opcode). Counts are static
@@ -30,26 +30,6 @@ import sys
 import tempfile
 
 MEM_OPS = ("LDG", "LDS", "LDSM", "LDGSTS", "STS", "STSM", "STG", "LDL", "STL", "HGMMA", "LDC", "ATOMS")
-
-
-def _compile_gluon(fn, ptrs, consts, *, num_warps, num_stages=2, floats=()):
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    sig, cx, attrs = {}, {}, {}
-    for i, n in enumerate(fn.arg_names):
-        if n in consts:
-            sig[n], cx[n] = "constexpr", consts[n]
-        elif n in ptrs:
-            sig[n] = "*" + ptrs[n]
-            attrs[(i,)] = [["tt.divisibility", 16]]
-        elif n in floats:
-            sig[n] = "fp32"
-        else:
-            sig[n] = "i32"
-    return triton.compile(GluonASTSource(fn, sig, cx, attrs), target=GPUTarget("cuda", 90, 64),
-                          options=dict(num_warps=num_warps, num_stages=num_stages))
 
 
 def _tool(name):
@@ -149,22 +129,23 @@ def report(cubin, label, shared, top=20, dump=None, lines=0, src=None):
 
 
 def _gluon(args):
+    """The launch `mla_decode_gluon` makes (`quantmla.kernels.offline.compile_gluon`), with --stages,
+    --prot-gather, --no-prefetch, --no-denorm and --const applied."""
+    from quantmla.cache.paged import PagedMLACache
+    from quantmla.config import CacheConfig
     from quantmla.kernels import mla_decode_gluon as mg
+    from quantmla.kernels.offline import compile_gluon
 
     if mg.gluon is None:
         sys.exit(f"no Gluon in this Triton: {mg._GLUON_ERROR}")
-    ptrs = dict(qn_ptr="bf16", qp_ptr="bf16", cc_ptr="u8", cs_ptr="fp16", cz_ptr="fp16", rc_ptr="u8",
-                rs_ptr="fp16", rz_ptr="fp16", pc_ptr="bf16", pr_ptr="bf16", bt_ptr="i32", lens_ptr="i32",
-                slots_ptr="i32", o_ptr="fp32", lse_ptr="fp32")
-    consts = dict(C_ROW=256, C_SZ_ROW=8, R_ROW=32, R_SZ_ROW=1, PAGE=args.page, SINK=args.sink, RECENT=args.recent,
-                  C_RING=args.recent, R_RING=args.recent, DENORM=not args.no_denorm, STAGES=args.stages,
-                  PROT_VEC=not args.prot_gather, PROT_PREFETCH=not args.no_prefetch)
-    consts.update(args.const)
-    fn = mg._gluon_decode_kernel
-    for name in (p.name for p in fn.params if p.is_constexpr):
-        if name not in consts:
-            sys.exit(f"kernel constexpr {name} unknown to this script: give it with --const {name}=VALUE")
-    return _compile_gluon(fn, ptrs, consts, num_warps=mg.NUM_WARPS, floats=("qk_scale",))
+    config = CacheConfig("int4", "int4", sink=args.sink, recent=args.recent)
+    cache = PagedMLACache.allocate(config, 512, 64, 4, 2, block_size=args.page)
+    consts = {**dict(DENORM=not args.no_denorm, STAGES=args.stages, PROT_VEC=not args.prot_gather,
+                     PROT_PREFETCH=not args.no_prefetch), **args.const}
+    unknown = set(args.const) - {p.name for p in mg._gluon_decode_kernel.params if p.is_constexpr}
+    if unknown:
+        sys.exit(f"not constexprs of the kernel: {', '.join(sorted(unknown))}")
+    return compile_gluon(cache, consts=consts)
 
 
 def _triton(args):
@@ -188,8 +169,8 @@ def _cuda(args):
 
     content, _, rope = args.format.partition("/")
     cache = PagedMLACache.allocate(CacheConfig(content, rope or content), 512, 64, 2, 1, device="meta")
-    if mdc._int_bits(cache.content.fmt) is None or mdc._int_bits(cache.rope.fmt) is None:
-        sys.exit(f"--kernel cuda reads int4 / int2 codes, got {args.format}")
+    if (why := mdc._fmt_reason(cache)) is not None:
+        sys.exit(f"--kernel cuda: the kernel {why}")
     defines = {**mdc._defines(cache), "STAGES": 3, **args.const}
     nvcc = mdc._nvcc()
     if nvcc is None:

@@ -1,10 +1,12 @@
-"""The Triton decode kernel and the fused decode writer compile for Hopper (sm_90) on this CPU machine,
-through `kernels.offline`.
+"""The Triton decode kernel, the fused decode writer and the Hopper Gluon decode kernels compile for sm_90 on
+this CPU machine, through `kernels.offline`.
 
 The interpreter runs the kernel as plain Python, so code the real compiler refuses passes every other CPU
 test: the ranked body's orientation helpers of 2026-12-01 (two returns of different shapes) passed the
-interpreter tests and failed to compile on the H200 the next day. These cases compile the launches `mla_decode` makes,
-and the writer's, in a subprocess without TRITON_INTERPRET, and check each fits the H100/H200's shared memory.
+interpreter tests and failed to compile on the H200 the next day. The Gluon kernels have no interpreter at
+all, and Gluon's API changes between releases (the few-heads kernel stopped compiling with Triton 3.7 and
+nobody noticed). These cases compile the launches `mla_decode` makes, the writer's and the Gluon kernels', in
+a subprocess without TRITON_INTERPRET, and check each fits the H100/H200's shared memory.
 """
 
 import importlib.util
@@ -37,6 +39,14 @@ CASES += [(c, r, dc, dr, "writer", None, None) for c, r, dc, dr in [
     ("int4", "int4", 512, 64), ("int2c0.9", "int4:32", 512, 64), ("fp8", "bf16", 512, 64), ("bf16", "bf16", 512, 64),
     ("fp8:0", "fp8:0", 512, 64), ("int8r128", "int4", 512, 64), ("int4", "int4", 256, 32)]]
 
+# The Hopper Gluon kernels (sm_90 only): "many-heads:H" (mla_decode_many_heads, auto's pick above 32 heads) and
+# "gluon:H" (mla_decode_gluon, opt-in). Gluon's API changes between Triton releases: these fail when the
+# installed release is one the kernels claim (TRITON_VERSIONS) and they no longer compile with it.
+CASES += [(c, r, dc, dr, k, None, None) for c, r, dc, dr, k in [
+    ("int4", "int4", 512, 64, "many-heads:128"), ("int2", "int4", 512, 64, "many-heads:64"),
+    ("fp8:0", "fp8:0", 512, 64, "many-heads:128"), ("fp8", "bf16", 512, 64, "many-heads:128"),
+    ("int4", "int4:32", 256, 32, "many-heads:128"), ("int4", "int4", 512, 64, "gluon:16")]]
+
 SCRIPT = r"""
 import json, sys
 from concurrent.futures import ProcessPoolExecutor
@@ -53,6 +63,15 @@ def one(case):
         cache = PagedMLACache.allocate(config, dc, dr, 4, 2, block_size=64)
         if heads == "writer":
             k = compile_writer(cache, capability=90)
+            return {"case": case, "shared": k.metadata.shared, "limit": SHARED_LIMIT[90]}
+        if isinstance(heads, str):  # a Gluon kernel: "many-heads:H" / "gluon:H"
+            from quantmla.kernels import mla_decode_gluon as mg
+            from quantmla.kernels.offline import compile_gluon, compile_many_heads
+
+            if mg.gluon is None or not mg.TRITON_VERSIONS[0] <= mg._triton_version() < mg.TRITON_VERSIONS[1]:
+                return {"case": case, "skip": mg.hopper_reason(cache, "cpu") or mg._GLUON_ERROR}
+            kernel, h = heads.split(":")
+            k = (compile_many_heads if kernel == "many-heads" else compile_gluon)(cache, int(h))
             return {"case": case, "shared": k.metadata.shared, "limit": SHARED_LIMIT[90]}
         cfg = default_config(cache, heads)
         if s_t is not None:
@@ -92,6 +111,8 @@ def compiled():
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-{c[1]}-{c[2]}-{c[4]}-{c[5]}{c[6]}")
 def test_kernels_compile_for_sm90(compiled, case):
     result = compiled[case]
+    if "skip" in result:
+        pytest.skip(f"the Gluon kernels are not built for this Triton: {result['skip']}")
     assert "error" not in result, result.get("error")
     assert result["shared"] <= result["limit"], f"{result['shared']} B of shared memory"
     if case[4] != "writer":  # the decode kernel stages its tiles in shared memory; the writer need not

@@ -35,11 +35,16 @@ def test_refusals_name_the_problem(fmts, dc, dr, page, want):
 @pytest.mark.parametrize("version,ok", [("3.5.1", False), ("3.6.0", True), ("3.9.0", True), ("3.10.0", False),
                                         ("4.0.0+git1234", False)])  # fmt: skip
 def test_refuses_triton_releases_it_is_not_built_for(monkeypatch, version, ok):
+    """Both Gluon kernels (this one and the few-heads mla_decode_gluon) check the release in hopper_reason."""
+    from quantmla.kernels import mla_decode_gluon as mg
+
     if mh.gluon is None:
         pytest.skip("triton.experimental.gluon is not available")
-    monkeypatch.setattr(mh.triton, "__version__", version)
-    why = mh.unsupported_reason(_cache(("int4", "int4")), 128, torch.device("cpu"))
-    assert ("Triton" in why) != ok and (ok or version in why)
+    monkeypatch.setattr(mg.triton, "__version__", version)
+    cache = _cache(("int4", "int4"))
+    for why in (mh.unsupported_reason(cache, 128, torch.device("cpu")),
+                mg.unsupported_reason(cache, 16, torch.device("cpu"))):
+        assert ("Triton" in why) != ok and (ok or version in why)
 
 
 @pytest.mark.parametrize("bits", [4, 2])

@@ -718,11 +718,7 @@ def triton_launch(q_nope_absorbed, q_pe, cache: PagedMLACache, block_tables, seq
     `kernels.offline` can compile the very same launch for a GPU the machine does not have."""
     B, H, dc = q_nope_absorbed.shape
     dr = q_pe.shape[-1]
-    dev = q_nope_absorbed.device
-    if slots is None:
-        slots = torch.arange(B, dtype=torch.int32, device=dev)
-    qn, qp = q_nope_absorbed.contiguous(), q_pe.contiguous()
-    outputs = split_outputs(B, H, dc, num_splits, out_dtype, dev)
+    qn, qp, slots, outputs = launch_inputs(q_nope_absorbed, q_pe, slots, num_splits, out_dtype)
     part_o, part_lse = outputs[2:]
     c_ptrs, c_const = _path_args(cache.content)
     r_ptrs, r_const = _path_args(cache.rope)
@@ -835,6 +831,17 @@ def mla_decode(
     out, lse, part_o, part_lse = launch.outputs
     combine_splits(part_o, part_lse, out, lse)
     return out, lse
+
+
+def launch_inputs(q_nope_absorbed, q_pe, slots, num_splits: int, out_dtype: torch.dtype) -> tuple:
+    """(qn, qp, slots, outputs) of a decode launch: the queries contiguous, slots int32 [B] (arange(B) for None),
+    and the `split_outputs` of num_splits."""
+    B, H, dc = q_nope_absorbed.shape
+    dev = q_nope_absorbed.device
+    if slots is None:
+        slots = torch.arange(B, dtype=torch.int32, device=dev)
+    outputs = split_outputs(B, H, dc, num_splits, out_dtype, dev)
+    return q_nope_absorbed.contiguous(), q_pe.contiguous(), slots, outputs
 
 
 def split_outputs(B: int, H: int, dc: int, num_splits: int, out_dtype: torch.dtype, device) -> tuple:

@@ -9,7 +9,8 @@ $QUANTMLA_DECODE_KERNEL=gluon):
 No host syncs when max_seq_len is given: CUDA-graph capturable (compile outside the capture).
 
 What it takes (`unsupported_reason` names the first thing that is not; the launcher raises ValueError with it):
-  - a CUDA device of compute capability 9.x (wgmma), Triton with `triton.experimental.gluon` (3.6);
+  - a CUDA device of compute capability 9.x (wgmma), Triton 3.6-3.9 with `triton.experimental.gluon`
+    (TRITON_VERSIONS);
   - H <= 16 (heads are padded to 16: one CTA reads the cache once for all of them);
   - content int4, channel axis, group 64, kv_lora_rank 512; rope int4, channel axis, group 64, 64 rope dims;
   - pages of a multiple of 64 tokens; bf16 protected rows (sink + ring) contiguous; pools of whole contiguous
@@ -69,7 +70,7 @@ less error than the Triton INT4 kernel (scores from exact codes and fp32 scales)
 each CTA has many tiles (B=64: 0.94x the BF16 kernel at 16 K, 1.00x at 64 K; Triton 0.84-0.85x), slower where
 it has few (B <= 16 at <= 16 K, B=1). Queries and protected rows go to the tensor cores in fp16 (Triton's kernel:
 bf16), so values beyond fp16's range (65504) would overflow here. Offline SASS counts per loop:
-`python benchmarks/kernel_sass.py --kernel gluon` (no GPU needed, Triton 3.6).
+`python benchmarks/kernel_sass.py --kernel gluon` (no GPU needed).
 """
 
 from __future__ import annotations
@@ -84,14 +85,23 @@ from quantmla.cache.paged import PagedMLACache
 LOG2E = 1.4426950408889634
 DC, DR, GROUP, BLOCK_N, BLOCK_H = 512, 64, 64, 64, 16
 NUM_WARPS = 4
+# Triton releases [first, past the last) both Gluon kernels (this one and mla_decode_many_heads) are built for:
+# 3.6 runs them on the H200 (tests, benchmarks); 3.7.1, 3.8.0 and 3.9.0 compile them for sm_90 offline
+# (tests/test_kernel_compile.py compiles them with the installed release). Gluon is experimental and its API
+# changes between releases, so other releases are refused and "auto" leaves them to the other kernels.
+TRITON_VERSIONS = ((3, 6), (3, 10))
 
-try:  # Gluon is experimental: Triton 3.6 has it; elsewhere the module imports and refuses to launch
+try:  # Gluon is experimental (TRITON_VERSIONS); elsewhere the module imports and refuses to launch
     import triton
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
     from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
+    # one barrier of the CTA's threads: `thread_barrier` in Triton 3.6, `barrier` from 3.7 on
+    _barrier = gl.thread_barrier if hasattr(gl, "thread_barrier") else gl.barrier
+    # cp.async of a tensor of pointers into shared memory: renamed `async_load` (same arguments) from 3.7 on
+    _cp_async = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
     _GLUON_ERROR = None
 except Exception as e:  # pragma: no cover - exercised where gluon is missing or different
     gluon = None
@@ -386,10 +396,10 @@ fma.rn.f16x2 $3, t, $6, $8;
     @gluon.jit
     def _stage_p(p, p_s):
         """P^T (fp16) into shared memory as the values' B operand, visible to the async proxy of every warp."""
-        gl.thread_barrier()  # every warp is past the previous tile's MMAs (they read p_s)
+        _barrier()  # every warp is past the previous tile's MMAs (they read p_s)
         p_s.store(p.to(gl.float16))
         fence_async_shared()
-        gl.thread_barrier()
+        _barrier()
 
     @gluon.jit
     def _mma2(p_s, acc_a, acc_b, f):
@@ -548,17 +558,17 @@ cvt.rn.f16x2.f32 $1, b, a;
         t3 = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(2, _CPC)))
         b3 = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, _CPC)))
         off3 = (t3[None, :, None] * C_ROW + 32 * g3[:, None, None]) + b3[None, None, :]
-        async_copy.async_copy_global_to_shared(cc_s.index(slot), cc_ptr + row0 * C_ROW + off3,
+        _cp_async(cc_s.index(slot), cc_ptr + row0 * C_ROW + off3,
                                                mask=t3[None, :, None] < lim)
         t2 = gl.arange(0, 64, layout=gl.SliceLayout(1, _CPR))
         b2 = gl.arange(0, 32, layout=gl.SliceLayout(0, _CPR))
         offr = t2[:, None] * R_ROW + b2[None, :]
-        async_copy.async_copy_global_to_shared(rc_s.index(slot), rc_ptr + row0 * R_ROW + offr,
+        _cp_async(rc_s.index(slot), rc_ptr + row0 * R_ROW + offr,
                                                mask=t2[:, None] < lim)
         ts = gl.arange(0, 64, layout=gl.SliceLayout(1, _CPS))
         gs = gl.arange(0, 8, layout=gl.SliceLayout(0, _CPS))
         offs = ts[:, None] * C_SZ_ROW + gs[None, :]
-        async_copy.async_copy_global_to_shared(cs_s.index(slot), cs_ptr + row0 * C_SZ_ROW + offs,
+        _cp_async(cs_s.index(slot), cs_ptr + row0 * C_SZ_ROW + offs,
                                                mask=ts[:, None] < lim)
         async_copy.commit_group()
 
@@ -626,7 +636,7 @@ cvt.rn.f16x2.f32 $1, b, a;
         z_s = gl.allocate_shared_memory(gl.float16, [32, 16], _QSL, bz.to(gl.float16))
         p_s = gl.allocate_shared_memory(gl.float16, [64, 16], _QSL)
         fence_async_shared()
-        gl.thread_barrier()
+        _barrier()
 
         # --- loop-invariant offsets in each layout ---------------------------------------------------------
         tokU = gl.arange(0, 64, layout=gl.SliceLayout(1, _LU))
@@ -669,7 +679,7 @@ cvt.rn.f16x2.f32 $1, b, a;
             if STAGES > 0:
                 slot = (t - t_start) % STAGES
                 async_copy.wait_group(STAGES - 2)  # this thread's copies of tile t have landed
-                gl.thread_barrier()  # everyone's have; and every warp is done with the slot refilled next
+                _barrier()  # everyone's have; and every warp is done with the slot refilled next
                 _issue_tile(cc_ptr, rc_ptr, cs_ptr, cs_s, bt_row, cc_s, rc_s, t + STAGES - 1, t_qend, t_lo, C_ROW,
                             R_ROW, PAGE, STAGES, (t - t_start + STAGES - 1) % STAGES, C_SZ_ROW)
                 cc_t_s = cc_s.index(slot)
@@ -848,9 +858,18 @@ def unsupported_reason(cache: PagedMLACache, num_heads: int, device) -> str | No
     return hopper_reason(cache, device)
 
 
+def _triton_version() -> tuple[int, int]:
+    major, minor = (int("".join(c for c in x if c.isdigit()) or 0) for x in triton.__version__.split(".")[:2])
+    return major, minor
+
+
 def hopper_reason(cache: PagedMLACache, device) -> str | None:
-    """What the Hopper Gluon kernels need besides their formats, or None: pages of whole 64-token tiles,
-    contiguous bf16 protected rows, an sm_90 CUDA device."""
+    """What the Hopper Gluon kernels need besides their formats, or None: a Triton of TRITON_VERSIONS, pages of
+    whole 64-token tiles, contiguous bf16 protected rows, an sm_90 CUDA device."""
+    if not TRITON_VERSIONS[0] <= _triton_version() < TRITON_VERSIONS[1]:
+        (a, b), (c, d) = TRITON_VERSIONS
+        return (f"is built for Triton {a}.{b} to {c}.{d - 1} (Gluon's API changes between releases), "
+                f"got {triton.__version__}")
     if cache.block_size % BLOCK_N:
         return f"needs pages of a multiple of {BLOCK_N} tokens, got {cache.block_size}"
     if cache.protected_content.dtype != torch.bfloat16 or cache.protected_rope.dtype != torch.bfloat16:
@@ -894,6 +913,27 @@ def _prot_prefetch() -> bool:
     return os.environ.get("QUANTMLA_GLUON_PROT_PREFETCH", "1") != "0"
 
 
+def gluon_launch(q_nope_absorbed, q_pe, cache: PagedMLACache, block_tables, seq_lens, slots, sm_scale: float,
+                 num_splits: int, out_dtype: torch.dtype, consts: dict):
+    """The launch `mla_decode_gluon` makes (a `mla_decode.Launch`: arguments in the kernel's parameter order,
+    constexprs included); consts: DENORM, STAGES, PROT_VEC, PROT_PREFETCH. Apart from running it, so that
+    `kernels.offline` compiles the very same launch."""
+    from quantmla.kernels.mla_decode import Launch, launch_inputs
+
+    B, H = q_nope_absorbed.shape[:2]
+    qn, qp, slots, outputs = launch_inputs(q_nope_absorbed, q_pe, slots, num_splits, out_dtype)
+    part_o, part_lse = outputs[2:]
+    c, r = cache.content, cache.rope
+    runtime = [qn, qp, c.codes, c.scale, c.zero, r.codes, r.scale, r.zero, cache.protected_content,
+               cache.protected_rope, block_tables, block_tables.stride(0), seq_lens, slots, part_o, part_lse, H,
+               num_splits, sm_scale * LOG2E]  # fmt: skip
+    consts = dict(C_ROW=c.codes.stride(1), C_SZ_ROW=c.scale.stride(1), R_ROW=r.codes.stride(1),
+                  R_SZ_ROW=r.scale.stride(1), PAGE=cache.block_size, SINK=cache.sink, RECENT=cache.recent,
+                  C_RING=cache.rings[0], R_RING=cache.rings[1], **consts)
+    args = tuple(consts[p.name] if p.is_constexpr else runtime.pop(0) for p in _gluon_decode_kernel.params)
+    return Launch((num_splits, B), args, dict(num_warps=NUM_WARPS), outputs)
+
+
 def mla_decode_gluon(
     q_nope_absorbed: torch.Tensor,
     q_pe: torch.Tensor,
@@ -927,24 +967,16 @@ def mla_decode_gluon(
         num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     if num_splits is None:
         num_splits = default_splits(B, max_seq_len, num_sms)
-    if slots is None:
-        slots = torch.arange(B, dtype=torch.int32, device=dev)
-    from quantmla.kernels.mla_decode import combine_splits, split_outputs
+    from quantmla.kernels.mla_decode import combine_splits
 
-    qn, qp = q_nope_absorbed.contiguous(), q_pe.contiguous()
-    out, lse, part_o, part_lse = split_outputs(B, H, dc, num_splits, out_dtype, dev)
+    consts = dict(DENORM=_denorm() if denorm is None else denorm, STAGES=_stages() if stages is None else stages,
+                  PROT_VEC=_prot_vec() if prot_vec is None else prot_vec,
+                  PROT_PREFETCH=_prot_prefetch() if prot_prefetch is None else prot_prefetch)
+    launch = gluon_launch(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, num_splits,
+                          out_dtype, consts)
+    out, lse, part_o, part_lse = launch.outputs
     if B == 0:
         return out, lse
-    c, r = cache.content, cache.rope
-    _gluon_decode_kernel[(num_splits, B)](
-        qn, qp, c.codes, c.scale, c.zero, r.codes, r.scale, r.zero,
-        cache.protected_content, cache.protected_rope, block_tables, block_tables.stride(0), seq_lens, slots,
-        part_o, part_lse, H, num_splits, sm_scale * LOG2E,
-        c.codes.stride(1), c.scale.stride(1), r.codes.stride(1), r.scale.stride(1),
-        cache.block_size, cache.sink, cache.recent, *cache.rings, _denorm() if denorm is None else denorm,
-        _stages() if stages is None else stages, _prot_vec() if prot_vec is None else prot_vec,
-        _prot_prefetch() if prot_prefetch is None else prot_prefetch,
-        num_warps=NUM_WARPS,
-    )  # fmt: skip
+    _gluon_decode_kernel[launch.grid](*launch.args, **launch.options)
     combine_splits(part_o, part_lse, out, lse)
     return out, lse

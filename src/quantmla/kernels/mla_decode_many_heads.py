@@ -55,13 +55,8 @@ BLOCK_H, BLOCK_N, NUM_WARPS = 64, 64, 8
 # prefetch distance in tiles.
 VARIANT = dict(PF_AHEAD=2)
 KINDS = {"bf16": 0, "fp8": 1, "int4": 2, "int2": 2}
-# Triton releases [first, past the last) the kernel compiles with for sm_90: 3.6 runs it on the H200 (tests and
-# benchmarks); 3.7.1, 3.8.0 and 3.9.0 compile it offline (3.9.0 with 184 bytes of spills). Gluon is experimental
-# and its API changes between releases, so "auto" leaves other versions to Triton's kernel.
-TRITON_VERSIONS = ((3, 6), (3, 10))
 
-try:  # Gluon is experimental: Triton 3.6 has it; elsewhere the module imports and refuses to launch
-    import triton
+try:  # Gluon is experimental (TRITON_VERSIONS in mla_decode_gluon); elsewhere the module imports and refuses to launch
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, warpgroup_mma, warpgroup_mma_wait
@@ -356,11 +351,6 @@ if gluon is not None:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def _triton_version() -> tuple[int, int]:
-    major, minor = (int("".join(c for c in x if c.isdigit()) or 0) for x in triton.__version__.split(".")[:2])
-    return major, minor
-
-
 def _path_consts(path) -> tuple[int, int, int, int, bool]:
     """(KIND, BITS, GROUP, GB, SCALED) of a path: GB is the bytes of codes per group (bf16: one group of dim
     elements)."""
@@ -376,10 +366,6 @@ def unsupported_reason(cache: PagedMLACache, num_heads: int, device) -> str | No
     """None when `mla_decode_many_heads` can run this cache, head count and device; else why not."""
     if gluon is None:
         return f"triton.experimental.gluon is not available ({_GLUON_ERROR})"
-    if not TRITON_VERSIONS[0] <= _triton_version() < TRITON_VERSIONS[1]:
-        return (f"is built for Triton {TRITON_VERSIONS[0][0]}.{TRITON_VERSIONS[0][1]} to "
-                f"{TRITON_VERSIONS[1][0]}.{TRITON_VERSIONS[1][1] - 1} (Gluon's API changes between releases), "
-                f"got {triton.__version__}")
     dc, dr = cache.kv_lora_rank, cache.rope_dim
     if dc & (dc - 1) or dr & (dr - 1) or dc < 64 or dr < 16 or dc > 512 or dr > 128:
         return f"needs power-of-two dims, kv_lora_rank 64..512 and rope 16..128, got {dc}/{dr}"
@@ -484,6 +470,30 @@ def kernel_constexprs(cache: PagedMLACache) -> dict:
     )  # fmt: skip
 
 
+def many_heads_launch(q_nope_absorbed, q_pe, cache: PagedMLACache, block_tables, seq_lens, slots, sm_scale: float,
+                      num_splits: int, want: int, min_tiles: int, out_dtype: torch.dtype, variant: dict | None = None):
+    """The launch `mla_decode_many_heads` makes (a `mla_decode.Launch`: arguments in the kernel's parameter
+    order, constexprs included): num_splits is the grid's, (want, min_tiles) `split_length`'s; variant overrides
+    VARIANT's constexprs. Apart from running it, so that `kernels.offline` compiles the very same launch."""
+    from quantmla.kernels.mla_decode import Launch, launch_inputs
+
+    B, H = q_nope_absorbed.shape[:2]
+    qn, qp, slots, outputs = launch_inputs(q_nope_absorbed, q_pe, slots, num_splits, out_dtype)
+    part_o, part_lse = outputs[2:]
+    c, r = cache.content, cache.rope
+
+    def ptrs(path):  # an absent scale / zero pool: the codes' pointer, never read
+        return (path.codes, path.scale if path.scale is not None else path.codes,
+                path.zero if path.zero is not None else path.codes)
+
+    runtime = [qn, qp, *ptrs(c), *ptrs(r), cache.protected_content, cache.protected_rope, block_tables,
+               block_tables.stride(0), seq_lens, slots, part_o, part_lse, H, num_splits, want, min_tiles,
+               sm_scale * LOG2E]  # fmt: skip
+    consts = {**kernel_constexprs(cache), **VARIANT, **(variant or {})}
+    args = tuple(consts[p.name] if p.is_constexpr else runtime.pop(0) for p in _many_heads_kernel.params)
+    return Launch((num_splits, B, math.ceil(H / BLOCK_H)), args, dict(num_warps=NUM_WARPS), outputs)
+
+
 def mla_decode_many_heads(
     q_nope_absorbed: torch.Tensor,
     q_pe: torch.Tensor,
@@ -520,24 +530,13 @@ def mla_decode_many_heads(
         num_splits = default_splits(B, H, max_seq_len, num_sms, min_split, cache.sink, cache.recent)
     else:  # a caller's num_splits holds for every sequence
         want, min_tiles = num_splits, 1
-    if slots is None:
-        slots = torch.arange(B, dtype=torch.int32, device=dev)
-    from quantmla.kernels.mla_decode import combine_splits, split_outputs
+    from quantmla.kernels.mla_decode import combine_splits
 
-    qn, qp = q_nope_absorbed.contiguous(), q_pe.contiguous()
-    out, lse, part_o, part_lse = split_outputs(B, H, dc, num_splits, out_dtype, dev)
+    launch = many_heads_launch(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, num_splits,
+                               want, min_tiles, out_dtype, variant)
+    out, lse, part_o, part_lse = launch.outputs
     if B == 0:
         return out, lse
-    c, r = cache.content, cache.rope
-
-    def ptrs(path):
-        return (path.codes, path.scale if path.scale is not None else path.codes,
-                path.zero if path.zero is not None else path.codes)
-
-    _many_heads_kernel[(num_splits, B, math.ceil(H / BLOCK_H))](
-        qn, qp, *ptrs(c), *ptrs(r), cache.protected_content, cache.protected_rope, block_tables,
-        block_tables.stride(0), seq_lens, slots, part_o, part_lse, H, num_splits, want, min_tiles, sm_scale * LOG2E,
-        **{**kernel_constexprs(cache), **VARIANT, **variant}, num_warps=NUM_WARPS,
-    )  # fmt: skip
+    _many_heads_kernel[launch.grid](*launch.args, **launch.options)
     combine_splits(part_o, part_lse, out, lse)
     return out, lse
