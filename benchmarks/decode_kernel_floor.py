@@ -1,0 +1,110 @@
+"""Where the decode kernels' time goes at batch 1 and short contexts: the fixed cost of a launch.
+
+    PYTHONPATH=src python benchmarks/decode_kernel_floor.py [--contexts 0,64,1024,4096] [--bound 131072]
+        [--cases bf16:16:triton,int4/int4:16:cuda,...] [--out benchmarks/results]
+
+At B = 1 and 1-4 K tokens the INT4 kernels take ~30 us whatever the length (CUDA kernel at 16 heads, many-heads
+kernel at 128), the BF16 Triton kernel ~14-21 us (decode_kernel_bound_own.md). This times each case (FORMAT:
+HEADS:KERNEL, the kernel forced through $QUANTMLA_DECODE_KERNEL) at each context, with max_seq_len = the context
+and = --bound (an engine's), in three states of L2:
+  - cold: L2 flushed before each replay (decode_kernel.bench, as every other benchmark here);
+  - code: flushed, then a twin launch (the same kernel and shapes on another cache and queries) runs untimed
+    just before: the kernel's instructions are in L2 (and its constants), this call's data is not;
+  - warm: no flush, the previous replay's code and data are in L2.
+cold - code is what fetching the kernel's code costs; code - warm what fetching its data costs. Context 0 is a
+64-token cache with every sequence length 0: the launch, the prologue and the combine, no tile. Every run is
+checked against the fp64 reference (context 0: lse is -inf). Writes decode_kernel_floor.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(__file__))
+
+CASES = "bf16:16:triton,int4/int4:16:cuda,int4/int4:16:triton,bf16:128:triton,int4/int4:128:heads"
+STATES = ("cold", "code", "warm")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--contexts", default="0,64,1024,4096")
+    ap.add_argument("--bound", type=int, default=131072, help="the loose max_seq_len (an engine's max_model_len)")
+    ap.add_argument("--cases", default=CASES, help="FORMAT:HEADS:KERNEL, comma-separated")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--rep", type=float, default=10, help="timed replays per row: about this many ms")
+    ap.add_argument("--name", default="decode_kernel_floor", help="results file stem")
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    args = ap.parse_args()
+
+    import torch
+    from decode_kernel import SCALE, bench, build, check, ok, queries, run_meta
+
+    from quantmla.kernels import mla_decode_cuda as mdc
+    from quantmla.kernels.mla_decode import mla_decode
+
+    B, rows = args.batch, []
+    print(f"{'case':>22} {'ctx':>5} {'bound':>6} " + " ".join(f"{s:>7}" for s in STATES))
+    for case in args.cases.split(","):
+        fmt, heads, kernel = case.split(":")
+        H = int(heads)
+        os.environ[mdc.ENV] = kernel
+        for ctx in map(int, args.contexts.split(",")):
+            cache, tables, lens, slots = build(fmt, B, max(ctx, 64))
+            twin = build(fmt, B, max(ctx, 64), seed=1)
+            if ctx == 0:
+                lens.zero_()
+                twin[2].zero_()
+            qn, qp = queries(B, H)
+            tq = queries(B, H, seed=2)
+            for bound in (max(ctx, 1), args.bound):
+                def run(b=bound):
+                    return mla_decode(qn, qp, cache, tables, lens, slots, SCALE, max_seq_len=b)
+
+                def twin_run(b=bound):
+                    return mla_decode(*tq, twin[0], twin[1], twin[2], twin[3], SCALE, max_seq_len=b)
+
+                out, lse = run()
+                if ctx == 0:
+                    if not bool(torch.isneginf(lse).all()):
+                        sys.exit(f"{case} context 0 bound {bound}: lse is not -inf for empty sequences")
+                elif not ok(err := check(cache, tables, lens, slots, qn, qp, out, lse)):
+                    sys.exit(f"{case} context {ctx} bound {bound}: error {err}")
+                us = {"cold": bench(run, args), "code": bench(run, args, before=twin_run),
+                      "warm": bench(run, args, flush_l2=False)}
+                rows.append({"format": fmt, "heads": H, "kernel": kernel, "batch": B, "context": ctx,
+                             "bound": bound, "us": us})
+                print(f"{case:>22} {ctx:5d} {bound:6d} " + " ".join(f"{us[s]:7.1f}" for s in STATES), flush=True)
+            del cache, twin
+            torch.cuda.empty_cache()
+    meta = run_meta()
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    lines = [
+        "# Decode kernels' fixed cost at short contexts",
+        "",
+        f"Card: {meta['card']}. Date: {meta['date']}. torch {meta['torch']}. Command: `{meta['command']}`. "
+        f"B = {B}, kv_lora_rank 512, rope 64, page 64, sink 4 + recent 128 BF16 rows (quantized formats). "
+        "Microseconds of `mla_decode` (CUDA-graph replays, median) with L2 cold (flushed), code (flushed, then "
+        "a twin launch on other data: the kernel's code in L2) and warm (not flushed). Context 0: every length 0.",
+        "",
+        "| format | H | kernel | context | max_seq_len | cold | code | warm | cold - code | code - warm |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        u = r["us"]
+        lines.append(f"| {r['format']} | {r['heads']} | {r['kernel']} | {r['context']} | {r['bound']} | "
+                     f"{u['cold']:.1f} | {u['code']:.1f} | {u['warm']:.1f} | {u['cold'] - u['code']:.1f} | "
+                     f"{u['code'] - u['warm']:.1f} |")  # fmt: skip
+    with open(os.path.join(args.out, f"{args.name}.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
