@@ -18,6 +18,8 @@ instructions per 64-token tile against ~1,600 for the full kernel's: byte-to-bf1
 for the transposed operand, and register spills.
 """
 
+import argparse
+
 import torch
 import triton
 import triton.language as tl
@@ -81,4 +83,5 @@ def main():
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     main()

@@ -7,6 +7,7 @@ with the engine's default prefill chunk and query blocks. Figures quoted in
 benchmarks/results/engine_profile_prefill.md.
 """
 
+import argparse
 import os
 import sys
 import time
@@ -51,4 +52,6 @@ def main(top: int = 22) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--top", type=int, default=22, help="kernels listed per format")
+    main(ap.parse_args().top)
