@@ -98,11 +98,14 @@ def head_class(h: int) -> str:
 # --- building caches ---------------------------------------------------------------------------------------
 
 
-def build(fmt: str, batch: int, ctx: int, seed: int = 0) -> tuple:
+def build(fmt: str, batch: int, ctx: int, seed: int = 0, window: bool = True) -> tuple:
     """A full cache of `batch` sequences of `ctx` tokens: random latents quantized by the real writer's
-    quantize(), shuffled block tables, protected rows filled. Returns (cache, tables, seq_lens, slots)."""
+    quantize(), shuffled block tables, protected rows filled (window=False: no BF16 rows, every token
+    quantized). Returns (cache, tables, seq_lens, slots)."""
     torch.manual_seed(seed)
     cfg = CacheConfig(*FORMATS.get(fmt, fmt.split("/")))  # a named format or any CONTENT/ROPE spec
+    if not window:
+        cfg = replace(cfg, sink=0, recent=0)
     per_seq = -(-ctx // PAGE)
     nb = batch * per_seq
     cache = PagedMLACache.allocate(cfg, DC, DR, nb, batch, block_size=PAGE, device="cuda")
