@@ -8,6 +8,7 @@ q . codes^T per scale group and P (128 + codes).
 """
 
 import contextlib
+import functools
 import importlib.util
 import os
 from pathlib import Path
@@ -383,6 +384,18 @@ def test_cuda_kernel_splits_and_bf16_out(splits):
 def test_cuda_kernel_windows(sink, recent):
     """No protected rows at all (no extra split), a window with no sink, a sink longer than a tile."""
     _run(("int4", "int4"), 16, lens=[0, 5, 64, 65, 78, 79, 300, 1000], sink=sink, recent=recent)
+
+
+@needs_gpu
+@pytest.mark.parametrize("prot_splits", [2, 3, 5])
+def test_cuda_kernel_protected_rows_over_several_splits(prot_splits):
+    """The protected rows' tiles in runs over prot_splits CTAs (more than there are tiles: empty ones), with the
+    default window (132 rows: 3 tiles), a sink past the first tile, and the fp8 variant."""
+    run = functools.partial(mdc.mla_decode_cuda, prot_splits=prot_splits)
+    kernel_matches_reference(run, mdc.unsupported_reason, ("int4", "int4"), 16, LENS)
+    kernel_matches_reference(run, mdc.unsupported_reason, ("int2", "int4"), 16, [0, 5, 200, 1000], sink=70,
+                             recent=8, page=128, splits=3)
+    kernel_matches_reference(run, mdc.unsupported_reason, ("fp8", "bf16"), 16, LENS)
 
 
 @needs_gpu

@@ -366,9 +366,12 @@ def split_terms(batch: int, num_heads: int, num_sms: int, ctas_per_sm: int = 2) 
 
 
 def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, *, max_seq_len: int,
-                    out_dtype=torch.float32, num_splits: int | None = None, num_sms: int = 132):
+                    out_dtype=torch.float32, num_splits: int | None = None, num_sms: int = 132,
+                    prot_splits: int = 1):
     """The CUDA kernel + the Triton split combine. Contract: the module docstring. num_splits: body splits
-    (default `body_splits`); max_seq_len: an upper bound on seq_lens (sizes the splits; no host sync)."""
+    (default `body_splits`); max_seq_len: an upper bound on seq_lens (sizes the splits; no host sync);
+    prot_splits: CTAs per sequence for the protected rows, each a run of their 64-row tiles (none without a
+    window; more than one is an experiment, benchmarks/decode_kernel_floor.py)."""
     from quantmla.kernels.mla_decode import LOG2E, combine_splits  # the Triton combine, shared
 
     reason = unsupported_reason(cache, q_nope_absorbed.shape[1], q_nope_absorbed.device)
@@ -392,7 +395,10 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
     nsb = num_splits or body_splits(B, H, max_seq_len, num_sms, protected=cache.window > 0)
     # each sequence takes body_splits at its own length within nsb; a caller's num_splits holds for all (fit 0)
     fit, ctas = split_terms(B, H, num_sms) if not num_splits else (0, 0)
-    nst = nsb + (1 if cache.window else 0)
+    if prot_splits < 1:
+        raise ValueError(f"prot_splits must be at least 1, got {prot_splits}")
+    nps = prot_splits if cache.window else 0
+    nst = nsb + nps
     out = torch.empty(B, H, dc, dtype=out_dtype, device=dev)
     lse = torch.empty(B, H, dtype=torch.float32, device=dev)
     if B == 0 or H == 0:
@@ -415,8 +421,8 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
         P(cache.protected_content.data_ptr()), P(cache.protected_rope.data_ptr()),
         P(bt.data_ptr()), ctypes.c_int(bt.stride(0)), P(lens.data_ptr()), P(slots.data_ptr()),
         P(po.data_ptr()), P(plse.data_ptr()),
-        ctypes.c_int(H), ctypes.c_int(nsb), ctypes.c_int(nst), ctypes.c_int(fit), ctypes.c_int(ctas),
-        ctypes.c_int(num_sms), ctypes.c_float(sm_scale * LOG2E),
+        ctypes.c_int(H), ctypes.c_int(nsb), ctypes.c_int(nps), ctypes.c_int(nst), ctypes.c_int(fit),
+        ctypes.c_int(ctas), ctypes.c_int(num_sms), ctypes.c_float(sm_scale * LOG2E),
         ctypes.c_longlong(c.codes.stride(1)), row(c.scale),  # code rows in bytes, scale rows in elements
         ctypes.c_longlong(r.codes.stride(1) * r.codes.element_size()), row(r.scale),
         ctypes.c_int(cache.block_size), ctypes.c_int(cache.sink), ctypes.c_int(cache.window),

@@ -29,8 +29,9 @@
 //           (128 + mid) (an mma with a constant B: the same rounded P', so the offset cancels exactly), and
 //           warp 0 accumulates W[h, g] = P . (zero + mid * scale)[t, g] (hi + lo bf16, all groups at once).
 //           At the end O = o - corr + W[., w]. Column n of value tile jn is channel 64 w + 8 n + jn.
-// Protected BF16 rows (sink + recent window) are one extra split per sequence (split index 0), prefetched to
-// L2 and read from global memory (clamped to a valid row: P = 0 drops the rest) with q in bf16, plain order.
+// Protected BF16 rows (sink + recent window) are nps extra splits per sequence (split indices 0 .. nps - 1, the
+// launcher's prot_splits; 1 by default), each a run of their 64-row tiles, prefetched to L2 and read from global
+// memory (clamped to a valid row: P = 0 drops the rest) with q in bf16, plain order.
 // Codes of body tiles are staged in shared memory by cp.async (STAGES deep); the scales and zeros of the next
 // tile are loaded into registers one tile ahead (branch-free) and converted when stored to shared memory.
 //
@@ -366,8 +367,8 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     const __nv_bfloat16* __restrict__ pc_ptr, const __nv_bfloat16* __restrict__ pr_ptr,
     const int* __restrict__ bt_ptr, int bt_stride, const int* __restrict__ lens_ptr,
     const int* __restrict__ slots_ptr, float* __restrict__ po_ptr, float* __restrict__ plse_ptr,
-    int H, int nsb, int nst, int fit, int ctas, int num_sms, float qk_scale, long long c_row, long long c_sz_row,
-    long long r_row, long long r_sz_row, int page, int sink, int window) {
+    int H, int nsb, int nps, int nst, int fit, int ctas, int num_sms, float qk_scale, long long c_row,
+    long long c_sz_row, long long r_row, long long r_sz_row, int page, int sink, int window) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
@@ -377,16 +378,16 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   const int jt0 = CS == 1 ? 2 * w : 2 * (w % NQ) + w / NQ;  // first n8 tile of this warp's scores (tokens 8 jt0 ..)
 
   // Work: body tiles (positions [sink, q_hi), tiles of NT aligned to position 0) split over nsb splits;
-  // split 0, present when window > 0, takes the protected rows [0, min(L, window)), and body split s is split
-  // s + 1. (First, so that the live splits keep their places in the partials whatever nsb is: the combine
-  // then sums them in the same order under any bound.)
+  // splits 0 .. nps - 1 (nps = 0 when window = 0) take the protected rows [0, min(L, window)) in runs of whole
+  // tiles, and body split s is split s + nps. (First, so that the live splits keep their places in the partials
+  // whatever nsb is: the combine then sums them in the same order under any bound.)
   const int L = lens_ptr[b];
   const int n_q = max(L - window, 0);
   const int q_hi = sink + n_q;
   const int t_lo = sink / NT;
   const int nt_q = n_q > 0 ? (q_hi + NT - 1) / NT - t_lo : 0;
-  const bool prot_split = window > 0 && split == 0;
-  const int body_split = split - (window > 0);
+  const bool prot_split = split < nps;
+  const int body_split = split - nps;
   int tb, te;
   if (!prot_split) {
     // nsb is sized for max_seq_len; the sequence takes its own count (fit = 0: nsb as given). A split past it
@@ -400,8 +401,13 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
     tb = body_split * per;
     te = min(tb + per, nt_q);
   } else {
-    tb = 0;
-    te = (min(L, window) + NT - 1) / NT;
+    const int ntp = (min(L, window) + NT - 1) / NT, per = (ntp + nps - 1) / nps;
+    tb = split * per;
+    te = min(tb + per, ntp);
+    if (split > 0 && tb >= te) {  // (split 0 walks no tile for L = 0 and writes lse = -inf, as it always did)
+      if (tid < 16 && h0 + tid < H) plse_ptr[((long long)b * nst + split) * H + h0 + tid] = -INFINITY;
+      return;
+    }
   }
 
   // ---- the body's copies: codes by cp.async (STAGES deep), scales / zeros one tile ahead through registers.
@@ -533,9 +539,9 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       nxt[i] = tile_blk(tb + 1 + i);
       issue(tb + i, tile_row(tb + i, i == 0 ? blk0 : nxt[i - 1]));
     }
-  } else {  // the protected rows go to L2 while q is read (they are read with plain loads below)
-    const long long r0 = (long long)slots_ptr[b] * window;
-    const int n_p = min(L, window);
+  } else {  // this split's protected rows go to L2 while q is read (they are read with plain loads below)
+    const long long r0 = (long long)slots_ptr[b] * window + (long long)tb * NT;
+    const int n_p = min(min(L, window), te * NT) - tb * NT;
     const char* pc = reinterpret_cast<const char*>(pc_ptr + r0 * DC);
     const char* pr = reinterpret_cast<const char*>(pr_ptr + r0 * DR);
     for (int off = tid * 128; off < n_p * DC * 2; off += NTHREADS * 128) prefetch_l2(pc + off);
