@@ -9,7 +9,8 @@ same shape, then `mla_decode_int.cu` as it was at REV (or as FILE holds it), eac
 it is now, through the same launcher (the source swapped under `mla_decode_cuda.SRC`), each checked against the fp64 reference (decode_kernel.check) and timed as
 decode_kernel.bench does (CUDA-graph replays, L2 flushed, median). A change's effect is measured on the same
 machine, caches and clocks, which a comparison across result files cannot promise. (A base whose kernel takes
-other arguments than the launcher passes, e.g. one from before the per-sequence split count, fails its check.) Writes
+other arguments than the launcher passes, e.g. one from before the per-sequence split count (226f1b4) or
+before the protected splits' count (e48bcda), fails its check.) Writes
 decode_kernel_ab.{json,md} (--name changes the stem). Needs a GPU, nvcc, and git for a revision.
 """
 
