@@ -231,6 +231,16 @@ def bf16_us(qn, qp, batch: int, ctx: int, args) -> float:
     return t
 
 
+def write_results(out_dir: str, name: str, meta: dict, rows: list, lines: list[str]) -> None:
+    """Write {name}.json (meta and rows) and {name}.md (lines) to out_dir, and print the markdown."""
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as fh:
+        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as fh:
+        fh.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
 def run_meta() -> dict:
     """Card, UTC date, command line and torch version: the header of a result file."""
     return {

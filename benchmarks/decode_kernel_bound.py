@@ -14,7 +14,6 @@ decode_kernel_bound.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -35,7 +34,7 @@ def main():
     args = ap.parse_args()
 
     import torch
-    from decode_kernel import SCALE, bench, build, check, ok, queries, run_meta
+    from decode_kernel import SCALE, bench, build, check, ok, queries, run_meta, write_results
 
     from quantmla.kernels import mla_decode_cuda as mdc
     from quantmla.kernels.mla_decode import mla_decode
@@ -65,9 +64,6 @@ def main():
                     print(f"{fmt:>10} {H:4d} {B:3d} {ctx:7d} {kernel:>7} {times[str(ctx)]:9.1f} "
                           + " ".join(f"{times[str(b)]:9.1f}" for b in bounds), flush=True)  # fmt: skip
     meta = run_meta()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
-        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     lines = [
         "# Decode kernels with a loose max_seq_len",
         "",
@@ -84,9 +80,7 @@ def main():
         cells = [f"{r['us'][str(b)]:.1f} ({r['us'][str(b)] / t0:.2f}x)" for b in bounds]
         lines.append(f"| {r['format']} | {r['heads']} | {r['batch']} | {r['context']} | {r['kernel']} | {t0:.1f} | "
                      + " | ".join(cells) + " |")  # fmt: skip
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, args.name, meta, rows, lines)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import re
 import sys
@@ -48,7 +47,7 @@ def main():
     args = ap.parse_args()
 
     import torch
-    from decode_kernel import SCALE, bench, build, check, ok, queries, run_meta
+    from decode_kernel import SCALE, bench, build, check, ok, queries, run_meta, write_results
 
     from quantmla.kernels import mla_decode_cuda as mdc
     from quantmla.kernels.mla_decode import mla_decode
@@ -97,9 +96,6 @@ def main():
             del cache, twin
             torch.cuda.empty_cache()
     meta = run_meta()
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, f"{args.name}.json"), "w") as fh:
-        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     lines = [
         "# Decode kernels' fixed cost at short contexts",
         "",
@@ -118,9 +114,7 @@ def main():
                      f"{r['context']} | {r['bound']} | "
                      f"{u['cold']:.1f} | {u['code']:.1f} | {u['warm']:.1f} | {u['cold'] - u['code']:.1f} | "
                      f"{u['code'] - u['warm']:.1f} |")  # fmt: skip
-    with open(os.path.join(args.out, f"{args.name}.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, args.name, meta, rows, lines)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,6 @@ decode_kernel_min_split.{json,md}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from dataclasses import replace
@@ -34,7 +33,7 @@ def main():
     args = ap.parse_args()
 
     import torch
-    from decode_kernel import SCALE, bench, build, check, ok, queries, run_meta
+    from decode_kernel import SCALE, bench, build, check, ok, queries, run_meta, write_results
 
     from quantmla.kernels.mla_decode import default_config, mla_decode, num_splits_for
 
@@ -64,9 +63,6 @@ def main():
         **run_meta(),
         "default_min_split": default_config(build("bf16", 1, 64)[0], 16).min_split,
     }
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "decode_kernel_min_split.json"), "w") as fh:
-        json.dump({"meta": meta, "rows": rows}, fh, indent=1)
     lines = [
         "# The Triton decode kernel by shortest split (min_split)",
         "",
@@ -81,9 +77,7 @@ def main():
         best = min(t["us"] for t in r["triton"].values())
         cells = [f"{t['us']:.1f} ({t['splits']}){'*' if t['us'] == best else ''}" for t in r["triton"].values()]
         lines.append(f"| {r['format']} | {r['heads']} | {r['batch']} | {r['context']} | " + " | ".join(cells) + " |")
-    with open(os.path.join(args.out, "decode_kernel_min_split.md"), "w") as fh:
-        fh.write("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    write_results(args.out, "decode_kernel_min_split", meta, rows, lines)
 
 
 if __name__ == "__main__":
