@@ -390,24 +390,20 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   const int body_split = split - nps;
   int tb, te;
   if (!prot_split) {
-    // nsb is sized for max_seq_len; the sequence takes its own count (fit = 0: nsb as given). A split past it
-    // has no tiles and writes lse = -inf alone (the combine reads no output there).
+    // nsb is sized for max_seq_len; the sequence takes its own count (fit = 0: nsb as given), and the splits
+    // past it have no tiles.
     const int own = fit > 0 ? min(nsb, body_splits_of(L, fit, ctas, num_sms, window > 0)) : nsb;
-    if (body_split >= own) {
-      if (tid < 16 && h0 + tid < H) plse_ptr[((long long)b * nst + split) * H + h0 + tid] = -INFINITY;
-      return;
-    }
     const int per = (nt_q + own - 1) / own;
-    tb = body_split * per;
+    tb = body_split < own ? body_split * per : nt_q;
     te = min(tb + per, nt_q);
   } else {
     const int ntp = (min(L, window) + NT - 1) / NT, per = (ntp + nps - 1) / nps;
-    tb = split * per;
+    tb = min(split * per, ntp);
     te = min(tb + per, ntp);
-    if (split > 0 && tb >= te) {  // (split 0 walks no tile for L = 0 and writes lse = -inf, as it always did)
-      if (tid < 16 && h0 + tid < H) plse_ptr[((long long)b * nst + split) * H + h0 + tid] = -INFINITY;
-      return;
-    }
+  }
+  if (tb >= te) {  // no tiles: lse = -inf alone (the combine reads no output where lse is -inf)
+    if (tid < 16 && h0 + tid < H) plse_ptr[((long long)b * nst + split) * H + h0 + tid] = -INFINITY;
+    return;
   }
 
   // ---- the body's copies: codes by cp.async (STAGES deep), scales / zeros one tile ahead through registers.
@@ -533,7 +529,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   int nxt[STAGES - 1];  // block-table entries of tiles tt+1 .. tt+STAGES-1, read a tile before they are needed
   if (!prot_split) {
     const int blk0 = tile_blk(tb);
-    if (tb < te) load_sz(tile_row(tb, blk0));  // first: they are needed first (an empty pool has no row 0)
+    load_sz(tile_row(tb, blk0));  // first: they are needed first (a split here has a tile: tb < te)
 #pragma unroll
     for (int i = 0; i < STAGES - 1; ++i) {
       nxt[i] = tile_blk(tb + 1 + i);
@@ -759,7 +755,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
       }
     };
     const float zfac = sfac * 64.f;  // Z was computed with qsum 2^-6
-    if (tb < te) store_sz(tb);
+    store_sz(tb);
     for (int tt = tb; tt < te; ++tt) {
       cp_wait<STAGES - 2>();
       __syncthreads();  // tile tt's codes and scales are in; everyone is done with tile tt-1
