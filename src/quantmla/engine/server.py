@@ -9,9 +9,10 @@ carries one choice); the usage sums them.
 Threads: the LLM is not thread-safe, so one thread (`EngineLoop`) owns it. Handlers on the asyncio loop hand
 it add/abort commands through a thread-safe queue; it runs `llm.step()` while any request is unfinished and
 sends each request's StepOutputs back to that request's asyncio queue with `loop.call_soon_threadsafe`. Text
-has a thread of its own (`Server.text`): prompts are tokenized and outputs detokenized there, so the engine
-thread only sees token ids, the tokenizer is used from one thread, and the asyncio loop keeps answering
-(/health, other streams) while a long prompt is tokenized.
+has two threads of its own: prompts are tokenized (and chats templated) on `Server.prompts`, with a copy of
+the tokenizer, and outputs are detokenized on `Server.text`, with the original; so the engine thread only sees
+token ids, each tokenizer object is used from one thread, and the asyncio loop and the other streams keep going
+while a long prompt is tokenized.
 
 Errors come back in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: malformed JSON, missing
 or invalid fields (JSON types are taken strictly: `true` is not a number), bad sampling values and OpenAI
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import copy
 import json
 import logging
 import queue
@@ -435,11 +437,19 @@ class Server:
         self.request_limit = min(llm.max_model_len, llm.capacity_tokens)  # prompt + output one request can get
         self.engine = EngineLoop(llm)
         self.text = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="quantmla-text")
+        # Prompts get their own thread and tokenizer: on the text thread a 16 MB prompt stopped every stream for
+        # 23 s, and one tokenizer object used from two threads at once can fail ("Already borrowed").
+        self.prompt_tokenizer = copy.deepcopy(self.tokenizer)
+        self.prompts = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="quantmla-prompts")
         self.created = int(time.time())
 
     async def on_text_thread(self, fn, *args):
-        """fn(*args) on the text thread (every use of the tokenizer), awaited without blocking the loop."""
+        """fn(*args) on the text thread (outputs' detokenizing), awaited without blocking the loop."""
         return await asyncio.get_running_loop().run_in_executor(self.text, fn, *args)
+
+    async def on_prompt_thread(self, fn, *args):
+        """fn(*args) on the prompt thread (every use of `prompt_tokenizer`), awaited without blocking the loop."""
+        return await asyncio.get_running_loop().run_in_executor(self.prompts, fn, *args)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -451,7 +461,7 @@ class Server:
         if not isinstance(prompt, str):
             return prompt
         check_text(prompt, "prompt")
-        return await self.on_text_thread(lambda: self.tokenizer.encode(prompt, add_special_tokens=False))
+        return await self.on_prompt_thread(lambda: self.prompt_tokenizer.encode(prompt, add_special_tokens=False))
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
                     prefix: str) -> _Job:
@@ -643,6 +653,7 @@ def build_app(llm) -> FastAPI:
         yield
         server.engine.stop()
         server.text.shutdown(wait=False)
+        server.prompts.shutdown(wait=False)
 
     app = FastAPI(title="quantmla", lifespan=lifespan)
     app.state.server = server
@@ -686,7 +697,8 @@ def build_app(llm) -> FastAPI:
     async def chat_completions(req: ChatRequest, request: Request):
         server.check_model(req.model)
         req.refuse_unsupported()
-        prompt_ids = await server.encode(await server.on_text_thread(chat_prompt, server.tokenizer, req.messages))
+        text = await server.on_prompt_thread(chat_prompt, server.prompt_tokenizer, req.messages)
+        prompt_ids = await server.encode(text)
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         if max_tokens is None:  # OpenAI's default: as much as the context (and the whole pool) leaves
             max_tokens = max(server.request_limit - len(prompt_ids), 1)
