@@ -620,6 +620,10 @@ def test_serve_command_refuses_bad_options_in_one_line(capsys, tmp_path):
         with pytest.raises(SystemExit) as e:
             main(["serve", "--kv-cache-bytes", value])
         assert e.value.code == 2 and "--kv-cache-bytes" in capsys.readouterr().err
+    for value in ("99999", "65536", "-1", "0", "http"):  # 99999 listened on 34463 (mod 65536), said 99999
+        with pytest.raises(SystemExit) as e:
+            main(["serve", "--port", value])
+        assert e.value.code == 2 and "--port" in capsys.readouterr().err
     tiny_model("deepseek_v3").save_pretrained(tmp_path)  # weights and config, no tokenizer files
     assert main(["serve", str(tmp_path), "--device", "cpu", "--kv-cache-bytes", "14e6"]) == 2
     out, err = capsys.readouterr()

@@ -496,6 +496,18 @@ def byte_count(text: str) -> int:
     return int(value)
 
 
+def port_number(text: str) -> int:
+    """--port: 1-65535. Past 65535 uvicorn listened on the port modulo 65536 while the log named the one asked
+    for; a negative one failed only after the model had loaded."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a TCP port in 1-65535, got {text!r}")
+    return value
+
+
 # ---------------------------------------------------------------- parser
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -670,7 +682,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--sink", type=int, help="first tokens kept in BF16 (default: the checkpoint's, else 4)")
     s.add_argument("--recent", type=int, help="most recent tokens kept in BF16 (default: the checkpoint's, else 128)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
-    s.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    s.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
     s.add_argument("--device", help="torch device, e.g. cuda or cpu (default: cuda if available, else cpu)")
     s.add_argument("--kv-cache-bytes", type=byte_count,
                    help="byte budget of the KV pool, all layers, e.g. 8e9 (default: on CUDA "
