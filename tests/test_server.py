@@ -325,6 +325,10 @@ BAD = [
     ("/v1/completions", {"prompt": "x", "temperature": True}, 400, "temperature", None),
     ("/v1/completions", {"prompt": "x", "logprobs": 5}, 400, "logprobs", None),  # not implemented: refused
     ("/v1/completions", {"prompt": "x", "echo": True}, 400, "echo", None),
+    # True == 1 and False == 0 in Python: these were taken for the no-op values and ignored
+    ("/v1/completions", {"prompt": "x", "logprobs": 0}, 400, "logprobs", None),  # the sampled tokens' logprobs
+    ("/v1/completions", {"prompt": "x", "best_of": True}, 400, "best_of", None),
+    ("/v1/completions", {"prompt": "x", "echo": 0}, 400, "echo", None),
     ("/v1/completions", {"prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty", None),
     ("/v1/chat/completions", {}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),

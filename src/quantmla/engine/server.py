@@ -277,9 +277,10 @@ class StreamOptions(BaseModel):
 
 
 # OpenAI options this server does not implement, with the values that change nothing: any other value is
-# refused (400) rather than silently ignored. Other unknown fields (e.g. "user") are ignored.
+# refused (400) rather than silently ignored. Other unknown fields (e.g. "user") are ignored. logprobs 0 is not
+# a no-op: on /v1/completions it asks for the sampled tokens' own logprobs.
 UNSUPPORTED = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False), "best_of": (None, 1),
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
@@ -306,8 +307,14 @@ class _SamplingRequest(BaseModel):
         if self.stream_options is not None and not self.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", "stream_options")
         for name, value in (self.model_extra or {}).items():
-            if name in UNSUPPORTED and not any(value == ok for ok in UNSUPPORTED[name]):
+            if name in UNSUPPORTED and not any(_same(value, ok) for ok in UNSUPPORTED[name]):
                 raise APIError(400, f"{name} is not supported by this server (got {value!r})", name)
+
+
+def _same(value, ok) -> bool:
+    """value == ok with JSON's types kept apart: in Python True == 1 and False == 0, so without the check
+    `best_of: true`, `echo: 0` or `logprobs: 0` passed as no-op values and were ignored."""
+    return value == ok and isinstance(value, bool) == isinstance(ok, bool)
 
 
 MAX_PROMPTS = 256  # prompts in one /v1/completions request (OpenAI's batch form)
