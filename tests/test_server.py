@@ -335,6 +335,9 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model", "model_not_found"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n", None),
+    # the errors name max_completion_tokens where the client sent that (they said max_tokens)
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 0}, 400, "max_completion_tokens", None),
+    ("/v1/chat/completions", {"messages": CHAT, "max_completion_tokens": 5000}, 400, "max_completion_tokens", None),
     ("/v1/chat/completions", {"messages": CHAT, "tools": [{"type": "function"}]}, 400, "tools", None),
     ("/v1/chat/completions", {"messages": CHAT, "response_format": {"type": "json_object"}}, 400,
      "response_format", None),

@@ -709,7 +709,13 @@ def build_app(llm) -> FastAPI:
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         if max_tokens is None:  # OpenAI's default: as much as the context (and the whole pool) leaves
             max_tokens = max(server.request_limit - len(prompt_ids), 1)
-        job = await server.start(prompt_ids, sampling_params(req, max_tokens), stop_strings(req.stop), "chatcmpl")
+        try:
+            job = await server.start(prompt_ids, sampling_params(req, max_tokens), stop_strings(req.stop),
+                                     "chatcmpl")
+        except APIError as e:  # name the field the client set: it may never have sent a max_tokens
+            if e.param == "max_tokens" and req.max_completion_tokens is not None:
+                e.param, e.message = "max_completion_tokens", e.message.replace("max_tokens", "max_completion_tokens")
+            raise
         return await _respond(server, req, [job], request, chat=True)
 
     def model_card() -> dict:
