@@ -187,6 +187,20 @@ def test_chat_uses_the_fallback_template(served):
     assert body["usage"]["completion_tokens"] == len(want.token_ids)
 
 
+def test_a_chat_its_template_refuses_is_a_bad_request(served, monkeypatch):
+    """A chat template's raise_exception (roles it does not take, roles out of order) is the request's fault: a 400
+    naming messages, not a 500 with a traceback."""
+    template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                "{{ raise_exception('System role not supported') }}{% endif %}"
+                "{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: ")
+    monkeypatch.setattr(served.server.prompt_tokenizer, "chat_template", template, raising=False)
+    r = served.client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2})
+    assert "System role not supported" in assert_openai_error(r, 400, "messages")["message"]
+    r = served.client.post("/v1/chat/completions", json={"messages": CHAT[1:], "max_tokens": 2, "temperature": 0})
+    assert r.status_code == 200, r.text  # the template runs where it does not refuse
+    assert served.wait_idle()["pages_used"] == 0
+
+
 @pytest.mark.parametrize("streaming", [False, True])
 def test_a_list_of_prompts_gets_a_choice_each(served, streaming):
     """OpenAI's batch form: prompt as a list of strings or of token-id lists; choice i answers prompt i (the

@@ -381,7 +381,14 @@ def chat_prompt(tokenizer, messages: list[ChatMessage]) -> str:
     otherwise one "role: content" line per message, then "assistant: " for the model to continue."""
     plain = [{"role": m.role, "content": m.text()} for m in messages]
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        from jinja2.exceptions import TemplateError, TemplateSyntaxError
+
+        try:
+            return tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+        except TemplateSyntaxError:  # the checkpoint's template is broken: a server error
+            raise
+        except TemplateError as e:  # its raise_exception, e.g. "roles must alternate": the request's fault
+            raise APIError(400, f"the model's chat template refused these messages: {e}", "messages") from None
     return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: "
 
 
