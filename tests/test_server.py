@@ -390,6 +390,27 @@ def test_no_op_values_of_unimplemented_options_are_accepted(served):
     assert r.status_code == 200
 
 
+def test_vllm_extras_stop_token_ids_and_ignore_eos(served, monkeypatch):
+    """vLLM's stop_token_ids and ignore_eos (serving benchmarks send ignore_eos for a fixed output length) reach
+    the engine; they were accepted and ignored."""
+    p = PROMPTS[0]
+    ids = served.expected[p].token_ids
+    stop = ids[2]
+    n = ids.index(stop) + 1  # the output ends at the first stop token, which it includes
+    body = {"prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0}
+    r = served.client.post("/v1/completions", json={**body, "stop_token_ids": [stop]})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == n and r.json()["choices"][0]["finish_reason"] == "stop"
+    monkeypatch.setattr(served.llm, "eos", {*served.llm.eos, stop})  # the model's eos comes at token n
+    r = served.client.post("/v1/completions", json=body)
+    assert r.json()["usage"]["completion_tokens"] == n
+    r = served.client.post("/v1/completions", json={**body, "ignore_eos": True})
+    assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS and r.json()["choices"][0]["finish_reason"] == "length"
+    for bad in ({"ignore_eos": 1}, {"stop_token_ids": ["a"]}, {"min_tokens": 4}, {"repetition_penalty": 1.2}):
+        assert_openai_error(served.client.post("/v1/completions", json={**body, **bad}), 400, next(iter(bad)))
+    served.wait_idle()
+
+
 class SlowTokenizer:
     """The server's tokenizer, but encoding a prompt that starts with "SLOW" takes `seconds`."""
 

@@ -18,7 +18,8 @@ Errors come back in OpenAI's shape, `{"error": {"message", "type", "param", "cod
 or invalid fields (JSON types are taken strictly: `true` is not a number), bad sampling values and OpenAI
 options this server does not implement (`UNSUPPORTED`, when set to anything but their no-op value) are 400;
 an unknown model is 404 (`model_not_found`); a prompt the engine cannot hold (longer than the model's limit
-or than the whole KV pool) is 400 with the engine's message.
+or than the whole KV pool) is 400 with the engine's message. Of vLLM's extra fields, `ignore_eos` and
+`stop_token_ids` are honoured (serving benchmarks send `ignore_eos`).
 """
 
 from __future__ import annotations
@@ -284,6 +285,8 @@ UNSUPPORTED = {
     "suffix": (None, ""), "logit_bias": (None, {}), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
     "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "response_format": (None, {"type": "text"}),
+    # vLLM's extras that this engine does not implement (ignore_eos and stop_token_ids it does)
+    "min_tokens": (None, 0), "repetition_penalty": (None, 1), "min_p": (None, 0),
 }
 
 
@@ -302,6 +305,9 @@ class _SamplingRequest(BaseModel):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     n: StrictInt = 1
+    # vLLM's extras, which serving benchmarks send (ignore_eos: a fixed output length)
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[StrictInt] | None = None
 
     def refuse_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
@@ -423,7 +429,8 @@ def sampling_params(req: _SamplingRequest, max_tokens: int) -> SamplingParams:
         raise APIError(400, f"only n=1 is supported, got n={req.n}", "n")
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
-                              top_k=0 if req.top_k == -1 else req.top_k, seed=req.seed)
+                              top_k=0 if req.top_k == -1 else req.top_k, seed=req.seed,
+                              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
     except ValueError as e:
         raise APIError(400, str(e), str(e).split()[0]) from None
 
