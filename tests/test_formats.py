@@ -196,6 +196,15 @@ def test_odd_widths_cannot_be_packed():
         QuantFormat("int2", 6).check_dim(6)
 
 
+def test_ranked_formats_must_pack_their_stored_channels():
+    """A ranked format packs only its leading `rank` channels: int4:25r75 on 200 channels (an even path)
+    stores 75, which no whole number of bytes holds; refused up front, not a crash in the packer."""
+    with pytest.raises(ValueError, match="75 channels cannot be packed 2 per byte"):
+        QuantFormat.parse("int4:25r75").check_dim(200)
+    QuantFormat.parse("int4:25r100").check_dim(200)
+    QuantFormat.parse("int8:25r75").check_dim(200)
+
+
 @pytest.mark.parametrize("spec", ["int3", "fp6", "bf8", "", "int4:x", "int4:-2", "int4:0", "fp4:0",
                                   "lm3:t32", "int4:tx", "int4:t0", "bf16:8"])
 def test_bad_format_names_raise(spec):

@@ -160,6 +160,25 @@ def test_budget_candidates_are_servable_channel_formats():
                                                                       for g in (16, 32)]
 
 
+def test_ranked_candidates_pack_into_whole_bytes_on_any_width():
+    """A latent whose eighth is odd (kv_lora_rank 40: ranked groups of 5) gets only ranks its kind packs into
+    whole bytes, from the budget's candidates and from calibration's ranked formats; --budget on such a model
+    used to crash in the packer (int4r5)."""
+    from quantmla.calibrate.budget import ranked_candidates
+    from quantmla.calibrate.space import ranked_formats
+
+    for dim, group in ((40, 5), (200, 25)):
+        formats = ranked_candidates(dim) + ranked_formats(QuantFormat("int2", group), dim)
+        assert formats and any(f.kind == "int4" for f in formats)
+        for f in formats:
+            f.check_dim(dim)
+    model = tiny_model("deepseek_v3", kv_lora_rank=40)
+    layers = describe(model)
+    alloc = choose_formats(model, layers, torch.randint(0, 128, (3, 64)), CacheConfig(sink=4, recent=16).fit(40, 16),
+                           0.3, context=4096)
+    alloc.config.check_dims(40, 16)
+
+
 def test_budget_picks_ranked_content_where_the_latent_is_low_rank():
     """Content latents confined to 2 of 32 dimensions: at a tight budget the allocation stores a ranked content
     format (scored in its principal axes) in every layer; with ranked=False it cannot, and its summed error

@@ -122,10 +122,11 @@ class QuantFormat:
             fits = max(g for g in range(1, min(self.group, dim) + 1) if dim % g == 0)
             raise ValueError(f"{path} format {self}: group {self.group} does not divide its {dim} channels; "
                              f"give a group that does, e.g. {self.kind}:{fits}")
-        if self.bits in (4, 2) and dim % (8 // self.bits):
-            raise ValueError(f"{path} format {self}: {dim} channels cannot be packed {8 // self.bits} per byte")
-        if self.bits == 3 and dim % 8:
-            raise ValueError(f"{path} format {self}: {dim} channels cannot be packed 8 per 3 bytes")
+        stored = self.stored(dim)  # a ranked format packs only its leading `rank` channels
+        if self.bits in (4, 2) and stored % (8 // self.bits):
+            raise ValueError(f"{path} format {self}: {stored} channels cannot be packed {8 // self.bits} per byte")
+        if self.bits == 3 and stored % 8:
+            raise ValueError(f"{path} format {self}: {stored} channels cannot be packed 8 per 3 bytes")
         if self.rank > dim:
             raise ValueError(f"{path} format {self}: rank {self.rank} exceeds its {dim} channels")
 

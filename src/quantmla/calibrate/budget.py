@@ -50,7 +50,9 @@ def ranked_candidates(dim: int) -> list[QuantFormat]:
     if group < 1 or dim % group:
         return []
     ranks = sorted({round(f * dim / group) * group for f in RANK_FRACTIONS} - {0, dim})
-    return [QuantFormat(k, group, rank=r) for k in ("int8", "int4", "int2") for r in ranks]
+    # an odd group (dim / 8 for e.g. 200 channels: 25) gives ranks int4/int2 cannot pack into whole bytes
+    return [QuantFormat(k, group, rank=r) for k in ("int8", "int4", "int2") for r in ranks
+            if r * QuantFormat(k).bits % 8 == 0]
 
 
 def fraction_at(body_bytes: float, bf16_bytes: int, cfg: CacheConfig, context: int) -> float:

@@ -38,8 +38,8 @@ def ranked_formats(base: QuantFormat, dim: int) -> list[QuantFormat]:
         fmt = QuantFormat(kind, base.group)
         if fmt.bits < base.bits or fmt.bits == base.bits and not base.rank:
             continue
-        fits = [r for r in range(base.group, dim, base.group)
-                if bytes_per_token(replace(fmt, rank=r), dim) <= limit]
+        fits = [r for r in range(base.group, dim, base.group)  # whole bytes of codes: int4/int2 pack 2/4 a byte
+                if r * fmt.bits % 8 == 0 and bytes_per_token(replace(fmt, rank=r), dim) <= limit]
         if fits:
             out.append(replace(fmt, rank=fits[-1]))
     return out
