@@ -185,3 +185,93 @@ def test_a_checkpoint_missing_a_weight_is_refused_not_filled_with_random_values(
     save_file(tensors, shard, metadata={"format": "pt"})
     with pytest.raises(ValueError, match=f"1 weight\\(s\\) missing in the checkpoint, e.g. {name}"):
         load_model(src)
+
+
+def _edit_config(path, **fields):
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    config.update(fields)
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_an_invalid_config_setting_is_a_one_line_error_naming_the_file(tmp_path, capsys):
+    """transformers' config classes validate fields with a multi-line error naming no file (it escaped the
+    CLI as a traceback): it becomes a ValueError naming config.json and the setting."""
+    from quantmla.cli import main
+
+    path = save_tiny_model("deepseek_v2", tmp_path / "m")
+    good = (path / "config.json").read_text()
+    capsys.readouterr()
+    for fields, match in (({"kv_lora_rank": None}, "kv_lora_rank"), ({"qk_rope_head_dim": 15}, "even rotary")):
+        (path / "config.json").write_text(good)
+        _edit_config(path, **fields)
+        with pytest.raises(ValueError, match=f"config.json holds an invalid setting: .*{match}"):
+            describe(path)
+        assert main(["info", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and match in err
+
+
+def test_unreadable_or_misshapen_weights_are_refused_by_name(tmp_path, capsys):
+    """A truncated safetensors file, or weights of another shape than config.json describes, are one-line
+    errors naming the file or weight, in memory and streaming (both were tracebacks from the loaders)."""
+    from quantmla.calibrate.streaming import ShardReader
+    from quantmla.cli import main
+
+    path = save_tiny_model("deepseek_v3", tmp_path / "m")
+    _edit_config(path, kv_lora_rank=16)  # the weights are of kv_lora_rank 32
+    with pytest.raises(ValueError, match=r"another shape than config.json describes, e.g. .*: \[.*\] in the checkpoint"):
+        load_model(path)
+    base = ["calibrate", str(path), "--samples", "3", "--length", "64", "--recent", "16", "--steps", "1"]
+    assert main(base + ["--streaming", "--out", str(tmp_path / "o1")]) == 2
+    assert "in the checkpoint but" in capsys.readouterr().err
+    shard = next(path.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:-100])
+    for load in (load_model, ShardReader):
+        with pytest.raises(ValueError, match=f"{shard.name} is not a readable safetensors file"):
+            load(path)
+    for streaming in ([], ["--streaming"]):
+        assert main(base + streaming + ["--out", str(tmp_path / "o2")]) == 2
+        assert "is not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_streaming_refuses_a_layer_missing_a_weight(tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
+    from quantmla.cli import main
+
+    path = save_tiny_model("deepseek_v3", tmp_path / "m")
+    shard = next(path.glob("*.safetensors"))
+    tensors = load_file(shard)
+    del tensors["model.layers.1.self_attn.kv_b_proj.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    assert main(["calibrate", str(path), "--streaming", "--samples", "3", "--length", "64", "--recent", "16",
+                 "--steps", "1", "--out", str(tmp_path / "o")]) == 2
+    assert "layer 1's tensors do not match the model: lacks ['self_attn.kv_b_proj.weight']" in capsys.readouterr().err
+
+
+def test_calibrate_refuses_a_quantized_checkpoint_before_any_work(tmp_path, capsys):
+    """An FP8 checkpoint (DeepSeek-V3's quantization_config) loads dequantized on a CPU, but the folded weights
+    cannot be saved in its format: in memory calibration failed at the very end ('Undefined Operation
+    encountered!'), streaming with a traceback. Both refuse it first."""
+    from quantmla.cli import main
+
+    path = save_tiny_model("deepseek_v3", tmp_path / "m")
+    _edit_config(path, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                            "weight_block_size": [128, 128]})
+    for streaming in ([], ["--streaming"]):
+        assert main(["calibrate", str(path), *streaming, "--samples", "3", "--length", "64", "--recent", "16",
+                     "--steps", "1", "--out", str(tmp_path / "o")]) == 2
+        assert "holds quantized weights (quantization_config, quant_method 'fp8')" in capsys.readouterr().err
+        assert not (tmp_path / "o").exists()
+
+
+def test_a_multimodal_model_around_an_mla_text_model_is_refused_by_name(tmp_path):
+    """Kimi K2.5 (kimi_k25) wraps a deepseek_v3 text model; transformers has no causal LM for it, and
+    AutoModelForCausalLM's error listed every class it knows. quantmla names the model_type instead."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model("kimi_k25", text_config=tiny_model("deepseek_v3").config.to_dict()).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match="'kimi_k25'.*wraps a deepseek_v3 language model"):
+        describe(tmp_path)

@@ -237,10 +237,12 @@ def cmd_calibrate(args) -> None:
     from quantmla.config import CacheConfig
     from quantmla.data import encode, read_text, resolve_model_dir, token_windows, tokenizer_for
     from quantmla.models import describe, load_model
+    from quantmla.models.adapters import check_unquantized
     from quantmla.calibrate.export import quantmla_section
 
     model_dir = resolve_model_dir(args.model)
     _check_out_dir(args.out, model_dir, args.overwrite)
+    check_unquantized(model_dir)
     if quantmla_section(model_dir):
         console.print(f"note: {model_dir} is already calibrated; the new transforms fold on top of its own (exact) "
                       "and the new quantmla section replaces its record (calibrate the original checkpoint to "
@@ -431,9 +433,11 @@ def demo_table(name: str, rows, lengths) -> Table:
 def cmd_demo(args) -> None:
     from quantmla.data import resolve_model_dir
     from quantmla.demo import DemoSettings, run_demo
+    from quantmla.models.adapters import check_unquantized
     from quantmla.eval.suite import EvalSettings
 
     model_dir = resolve_model_dir(args.model)
+    check_unquantized(model_dir)  # the demo writes calibrated checkpoints
     settings = DemoSettings(calib_steps=args.steps,
                             eval=EvalSettings(lengths=_int_list(args.lengths, "--lengths"), samples=args.samples,
                                               windows=args.windows, scored=128, batch=8))

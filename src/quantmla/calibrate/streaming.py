@@ -34,7 +34,7 @@ from quantmla.calibrate.driver import calibrate_model
 from quantmla.calibrate.space import SearchSpace
 from quantmla.calibrate.export import SECTION, finish_checkpoint, section
 from quantmla.config import CacheConfig
-from quantmla.models.adapters import check_checkpoint_dir, describe, load_config
+from quantmla.models.adapters import check_checkpoint_dir, check_safetensors, describe, load_config
 
 _EXPERT = re.compile(r"^(?P<pre>.*mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -47,7 +47,9 @@ class ShardReader:
         index = self.dir / "model.safetensors.index.json"
         if index.is_file():
             self.weight_map = json.loads(index.read_text())["weight_map"]
+            check_safetensors(sorted({self.dir / name for name in self.weight_map.values()}))  # before any work
         elif (self.dir / "model.safetensors").is_file():
+            check_safetensors([self.dir / "model.safetensors"])
             with safe_open(self.dir / "model.safetensors", "pt") as f:
                 self.weight_map = {k: "model.safetensors" for k in f.keys()}
         else:
@@ -133,6 +135,16 @@ def _to_model_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
     return out
 
 
+def _check_shapes(module: nn.Module, tensors: dict[str, torch.Tensor], where: str) -> None:
+    """Refuse, by name, a tensor of another shape than the module built from config.json has (load_state_dict
+    would raise a multi-line error for it, even with strict=False)."""
+    expected = module.state_dict()
+    for k, v in tensors.items():
+        if k in expected and expected[k].shape != v.shape:
+            raise ValueError(f"{where}: {k} is {list(v.shape)} in the checkpoint but {list(expected[k].shape)} "
+                             "in the model its config.json describes")
+
+
 def _resident_bytes(model) -> int:
     return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()) if not t.is_meta)
 
@@ -183,8 +195,9 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     # Everything outside the decoder layers, resident for the whole run (the forward needs the embeddings).
     rest = [k for k in reader.weight_map if not k.startswith(prefix)]
     source = reader.read(rest)
-    missing, unexpected = model.load_state_dict(
-        {k: v.to(compute) for k, v in _to_model_names(source).items()}, strict=False, assign=True)
+    tensors = {k: v.to(compute) for k, v in _to_model_names(source).items()}
+    _check_shapes(model, tensors, str(model_dir))
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if unexpected:
         raise ValueError(f"{model_dir}: tensors the model does not have: {unexpected[:5]}")
     model.tie_weights()
@@ -201,8 +214,12 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
         keys = reader.keys_under(f"{prefix}{i}.")
         layer_source.clear()
         layer_source.update({k[len(f"{prefix}{i}."):]: v for k, v in reader.read(keys).items()})
-        block.load_state_dict({k: v.to(compute) for k, v in _to_model_names(layer_source).items()}, strict=True,
-                              assign=True)
+        tensors = {k: v.to(compute) for k, v in _to_model_names(layer_source).items()}
+        _check_shapes(block, tensors, f"{model_dir}: layer {i}")
+        missing, unexpected = block.load_state_dict(tensors, strict=False, assign=True)
+        if missing or unexpected:  # strict=True would raise these as a multi-line error
+            raise ValueError(f"{model_dir}: layer {i}'s tensors do not match the model: " + "; ".join(
+                f"{what} {names[:5]}" for what, names in (("lacks", missing), ("has unknown", unexpected)) if names))
         peak = max(peak, _resident_bytes(model))
 
     def after(i, block):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -203,6 +204,18 @@ def read_config_json(path: str | Path) -> dict:
     return config
 
 
+def check_unquantized(path: str | Path) -> None:
+    """Refuse a checkpoint with quantized weights (a `quantization_config`, e.g. DeepSeek-V3's FP8 blocks) for
+    a command that folds transforms into the weights and writes them: on a CPU transformers dequantizes
+    such a checkpoint on load, but cannot save the folded weights back in its format (it fails at the very
+    end, after the whole calibration)."""
+    quant = read_config_json(path).get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
+        raise ValueError(f"{path} holds quantized weights (quantization_config, quant_method {method!r}); "
+                         "calibration folds into unquantized ones: convert the checkpoint to bf16 first")
+
+
 def _unsupported(model_type, path: Path) -> UnsupportedModelError:
     return UnsupportedModelError(f"model_type {model_type!r} in {path} is not a supported MLA family; "
                                  f"supported: {', '.join(sorted(FAMILIES))}")
@@ -213,12 +226,25 @@ def _unsupported(model_type, path: Path) -> UnsupportedModelError:
 ALIASES = {"kimi_k2": ("deepseek_v3", "DeepseekV3ForCausalLM")}
 
 
+@contextmanager
+def _invalid_settings_named(path: Path):
+    """transformers' config classes validate their fields (huggingface_hub's strict dataclasses) and raise a
+    multi-line error that names no file: say which config.json holds the bad value, on one line."""
+    from huggingface_hub.errors import StrictDataclassError
+
+    try:
+        yield
+    except StrictDataclassError as e:
+        raise ValueError(f"{path / 'config.json'} holds an invalid setting: {e.__cause__ or e}") from None
+
+
 def load_config(path: str | Path):
     """The transformers config of a local MLA checkpoint directory; refuses any other model by its model_type.
     An `ALIASES` model_type gets its family's config class (without the checkpoint's `auto_map`, so no code
     of the checkpoint runs; a checkpoint quantmla saves from it is of the family's model_type)."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     path = check_checkpoint_dir(path)
     raw = read_config_json(path)
@@ -226,15 +252,23 @@ def load_config(path: str | Path):
     if declared in ALIASES and ALIASES[declared][1] in raw.get("architectures", []):
         family = ALIASES[declared][0]
         fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
-        return CONFIG_MAPPING[family].from_dict(fields)
+        with _invalid_settings_named(path):
+            return CONFIG_MAPPING[family].from_dict(fields)
     # A model_type transformers has no class for needs the checkpoint's own code, which quantmla never runs
     # (transformers would ask for trust_remote_code, or prompt on a terminal): refuse it here, by name.
     if isinstance(declared, str) and declared not in CONFIG_MAPPING:
         raise _unsupported(declared, path)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    with _invalid_settings_named(path):
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if getattr(text, "model_type", None) not in FAMILIES:
         raise _unsupported(getattr(text, "model_type", None), path)
+    # An MLA text model inside a multimodal one (Kimi K2.5: deepseek_v3 under kimi_k25) has no causal-LM class
+    # in transformers: say so here rather than let AutoModelForCausalLM list every class it knows.
+    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise UnsupportedModelError(f"model_type {config.model_type!r} in {path} wraps a {text.model_type} language "
+                                    "model in a model transformers does not run as a causal LM (multimodal?); "
+                                    "quantmla reads text-only checkpoints")
     return config
 
 
@@ -252,15 +286,38 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
             return AutoModelForCausalLM.from_config(config)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise FileNotFoundError(f"{path} has a config.json but no weights (*.safetensors)")
+    check_safetensors(sorted(path.glob("*.safetensors")))
+    # ignore_mismatched_sizes: a weight of another shape than config.json describes is then reported in `info`
+    # (and refused below, by name) instead of raised as transformers' multi-line loading report.
     model, info = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True,
-                                                       attn_implementation=attn, output_loading_info=True)
+                                                       attn_implementation=attn, output_loading_info=True,
+                                                       ignore_mismatched_sizes=True)
     # transformers fills a weight the files lack with random values and only logs it: refuse instead.
-    for kind in ("missing_keys", "mismatched_keys"):
-        if info.get(kind):
-            names = sorted(str(k) for k in info[kind])
-            raise ValueError(f"{path}: {len(names)} weight(s) {kind.split('_')[0]} in the checkpoint, e.g. "
-                             f"{names[0]}; the model would run with random values there")
+    if info.get("missing_keys"):
+        names = sorted(str(k) for k in info["missing_keys"])
+        raise ValueError(f"{path}: {len(names)} weight(s) missing in the checkpoint, e.g. {names[0]}; the model "
+                         "would run with random values there")
+    if info.get("mismatched_keys"):
+        name, found, wanted = sorted(info["mismatched_keys"])[0]  # (name, checkpoint shape, model shape)
+        raise ValueError(f"{path}: {len(info['mismatched_keys'])} weight(s) of another shape than config.json "
+                         f"describes, e.g. {name}: {list(found)} in the checkpoint, {list(wanted)} in the model")
     return model.eval()
+
+
+def check_safetensors(files) -> None:
+    """Read the header of every safetensors file: a missing, truncated or corrupt one is then an error that
+    names the file, before any work (the loaders' own errors name none, or come halfway through a run)."""
+    from safetensors import SafetensorError, safe_open
+
+    for file in files:
+        if not Path(file).is_file():
+            raise FileNotFoundError(f"weight file not found: {file}")
+        try:
+            with safe_open(file, "pt"):
+                pass
+        except SafetensorError as e:
+            raise ValueError(f"{file} is not a readable safetensors file ({e}); it may be truncated or "
+                             "corrupt: download or copy it again") from None
 
 
 def cache_kwargs(model: nn.Module, cache) -> dict:
