@@ -275,3 +275,27 @@ def test_a_multimodal_model_around_an_mla_text_model_is_refused_by_name(tmp_path
     AutoConfig.for_model("kimi_k25", text_config=tiny_model("deepseek_v3").config.to_dict()).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match="'kimi_k25'.*wraps a deepseek_v3 language model"):
         describe(tmp_path)
+
+
+def test_a_tokenizer_past_the_models_vocabulary_is_a_clear_error(tmp_path, capsys):
+    """A checkpoint whose tokenizer gives ids its embedding does not have (here the shipped byte-level
+    tokenizer, 259 ids, beside a 64-token model) failed in the forward with 'index out of range in self'."""
+    import shutil
+
+    from quantmla.cli import main
+    from quantmla.data import default_model_dir, encode, tokenizer_for
+    from quantmla.eval.retrieval import Codec
+
+    path = tmp_path / "m"
+    tiny_model("deepseek_v3", vocab_size=64).save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, path / name)
+    tok = tokenizer_for(path)
+    for encoded in (lambda: encode("a needle: 1234", tok, 64), lambda: Codec(tok, 64).encode_prompt("x"),
+                    lambda: Codec(tok, 64).encode_answer("x")):
+        with pytest.raises(ValueError, match="vocabulary has 64 tokens: the tokenizer does not belong"):
+            encoded()
+    assert encode("a needle", tok, 259).max() < 259  # the tokenizer's own model is fine
+    assert main(["calibrate", str(path), "--samples", "3", "--length", "64", "--recent", "16", "--steps", "1",
+                 "--out", str(tmp_path / "o")]) == 2
+    assert "the tokenizer does not belong to these weights" in capsys.readouterr().err

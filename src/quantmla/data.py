@@ -99,7 +99,18 @@ def encode(text: str, tokenizer, vocab_size: int, max_tokens: int | None = None)
             warnings.warn(f"the checkpoint has no tokenizer: text goes in as raw bytes modulo its {vocab_size}-token "
                           "vocabulary, which only suits byte-level models; add its tokenizer.json", stacklevel=2)
         return torch.tensor(list(text.encode("utf-8")), dtype=torch.long) % vocab_size
-    return torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.long)
+    return check_token_ids(torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"],
+                                        dtype=torch.long), vocab_size)
+
+
+def check_token_ids(ids, vocab_size: int):
+    """`ids` (a tensor or list), or ValueError where the tokenizer gave an id past the model's vocabulary: a
+    tokenizer that is not the weights' own, which the forward would fail on as 'index out of range in self'."""
+    top = int(torch.as_tensor(ids).max()) if len(ids) else -1
+    if top >= vocab_size:
+        raise ValueError(f"the checkpoint's tokenizer gives token id {top}, but the model's vocabulary has "
+                         f"{vocab_size} tokens: the tokenizer does not belong to these weights")
+    return ids
 
 
 def token_windows(ids: torch.Tensor, length: int, count: int) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch
 from tqdm.auto import tqdm
 
 from quantmla.config import CacheConfig
+from quantmla.data import check_token_ids
 from quantmla.eval.needles import TASKS, NeedleSample, make_sample
 from quantmla.eval.serving import serving_logits
 
@@ -37,12 +38,12 @@ class Codec:
         """Ids of a prompt, with the tokenizer's special tokens (the default model's BOS) as in training."""
         if self.tokenizer is None:
             return [b % self.vocab_size for b in text.encode("utf-8")]
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        return check_token_ids(list(self.tokenizer(text, add_special_tokens=True)["input_ids"]), self.vocab_size)
 
     def encode_answer(self, text: str) -> list[int]:
         if self.tokenizer is None:
             return [b % self.vocab_size for b in text.encode("utf-8")]
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return check_token_ids(list(self.tokenizer(text, add_special_tokens=False)["input_ids"]), self.vocab_size)
 
     def decode(self, ids: list[int]) -> str:
         if self.tokenizer is None:
