@@ -163,6 +163,22 @@ def test_info_table_is_readable_at_80_columns(family):
     assert f"0-{len(layers) - 1}" in text and str(layers[0].kv_lora_rank) in text and layers[0].rope_style in text
 
 
+def test_info_bytes_table_is_one_row_per_run_of_layers_at_80_columns():
+    """A calibrated checkpoint's per-layer formats: one row per run of layers that share them, and the total; the
+    formats were joined into one cell, which rich cut short at 80 columns."""
+    from quantmla.cli import bytes_table
+
+    formats = [("int8:16r128c0.95", "int4:16c0.9")] * 2 + [("int4:64", "int4:16c0.95")] * 3 + [("int2:64", "int4")]
+    nbytes = {"int8:16r128c0.95": 200, "int4:64": 300, "int2:64": 150}
+    rows = [{"content": c, "rope": r, "bytes_bf16": 1152, "bytes_quantized": nbytes[c]} for c, r in formats]
+    lines = _rendered_at_80(bytes_table(rows, "the checkpoint's own (its quantmla section)"))
+    assert all(len(line) <= 80 and "\u2026" not in line for line in lines), "\n".join(lines)
+    body = [line.split() for line in lines if line.split() and line.split()[0] in ("all", "0-1", "2-4", "5", "total")]
+    assert [r[0] for r in body] == ["all", "0-1", "2-4", "5", "total"], "\n".join(lines)
+    assert body[1][1:] == ["int8:16r128c0.95", "int4:16c0.9", "200", "400", "17.4"]
+    assert body[-1][-2:] == [str(2 * 200 + 3 * 300 + 150), f"{100 * 1450 / (6 * 1152):.1f}"]
+
+
 def test_eval_table_is_readable_at_80_columns():
     from quantmla.cli import result_table
     from quantmla.eval.suite import EvalResult

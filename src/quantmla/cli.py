@@ -55,17 +55,36 @@ def cmd_info(args) -> None:
                      "content": str(mine.content), "rope": str(mine.rope), "bytes_quantized": quant})
     bf16 = sum(r["bytes_bf16"] for r in rows)
     quant = sum(r["bytes_quantized"] for r in rows)
-    summary = Table(title="Cache bytes per token (all layers, body; sink/recent tokens stay BF16)",
-                    box=box.SIMPLE_HEAD)
-    for col in ("format", "content", "rope", "bytes/token/layer", "bytes/token", "% of BF16"):
-        summary.add_column(col)
-    summary.add_row("bf16", "bf16", "bf16", str(rows[0]["bytes_bf16"]), str(bf16), "100.0")
-    distinct = lambda key: ",".join(dict.fromkeys(r[key] for r in rows))  # noqa: E731  (in layer order)
-    summary.add_row("checkpoint's" if section else "chosen", distinct("content"), distinct("rope"),
-                    f"{quant / len(rows):g}", str(quant), f"{100 * quant / bf16:.1f}")
-    console.print(summary)
+    asked = f"--content {cfg.content} --rope {cfg.rope}" + ("" if args.content or args.rope else ", the defaults")
+    console.print(bytes_table(rows, "the checkpoint's own (its quantmla section)" if section else asked))
     _write_json(args.json, {"model": str(model_dir), "content": str(cfg.content), "rope": str(cfg.rope),
                             "layers": rows, "bytes_per_token_bf16": bf16, "bytes_per_token": quant})
+
+
+def bytes_table(rows: list[dict], source: str) -> Table:
+    """`info`'s cache bytes per token, readable at 80 columns: BF16, then the formats, one row per run of
+    consecutive layers that share them (a calibrated checkpoint may choose per layer), then their total."""
+    table = Table(title="Cache bytes per token (sink/recent tokens stay BF16)",
+                  caption=f"formats: {source}", box=box.SIMPLE_HEAD)
+    for col in ("layers", "content", "rope", "B/tok/layer", "B/tok", "%BF16"):
+        table.add_column(col, justify="left" if col in ("layers", "content", "rope") else "right")
+    bf16 = sum(r["bytes_bf16"] for r in rows)
+    table.add_row("all", "bf16", "bf16", str(rows[0]["bytes_bf16"]), str(bf16), "100.0")
+    runs = []  # [first, last, content, rope, bytes per layer]
+    for i, r in enumerate(rows):
+        key = [r["content"], r["rope"], r["bytes_quantized"]]
+        if runs and runs[-1][2:] == key:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i, *key])
+    for a, b, content, rope, per_layer in runs:
+        total, share = per_layer * (b - a + 1), sum(r["bytes_bf16"] for r in rows[a : b + 1])
+        table.add_row("all" if len(runs) == 1 else str(a) if a == b else f"{a}-{b}", content, rope,
+                      str(per_layer), str(total), f"{100 * total / share:.1f}")
+    if len(runs) > 1:
+        quant = sum(r["bytes_quantized"] for r in rows)
+        table.add_row("total", "", "", f"{quant / len(rows):g}", str(quant), f"{100 * quant / bf16:.1f}")
+    return table
 
 
 def layers_table(name: str, layers) -> Table:
