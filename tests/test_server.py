@@ -347,6 +347,7 @@ BAD = [
     ("/v1/chat/completions", {}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None),
     ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400, "messages", None),
+    ("/v1/chat/completions", {"messages": [{"role": "user"}]}, 400, "messages", None),  # was read as ""
     ("/v1/chat/completions", {"messages": CHAT, "model": "nope"}, 404, "model", "model_not_found"),
     ("/v1/chat/completions", {"messages": CHAT, "n": 2}, 400, "n", None),
     # the errors name max_completion_tokens where the client sent that (they said max_tokens)

@@ -349,6 +349,8 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
+        if self.content is None and self.role != "assistant":  # OpenAI: only an assistant's (tool call) may lack it
+            raise APIError(400, f"a {self.role!r} message needs content", "messages")
         if isinstance(self.content, list):
             return check_text("".join(p.text for p in self.content), "messages")
         return check_text(self.content or "", "messages")
