@@ -148,6 +148,10 @@ def test_budget_choice_meets_the_budget_and_spends_it():
     assert fractions == sorted(fractions)
     with pytest.raises(ValueError, match="even the smallest formats"):
         choose_formats(model, layers, ids, cfg, 0.05, context=4096)
+    # at 40 tokens the BF16 window (4 + 16) alone is half the cache: no body fits 0.3 (was a negative-size tensor)
+    assert knapsack([[(0.0, 1)]], -1) is None
+    with pytest.raises(ValueError, match="even the smallest formats take .* at 40 tokens"):
+        choose_formats(model, layers, ids, cfg, 0.3, context=40)
 
 
 def test_budget_candidates_are_servable_channel_formats():

@@ -132,6 +132,8 @@ def format_errors(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: C
 def knapsack(items: list[list[tuple[float, int]]], capacity: int) -> list[int] | None:
     """Pick one (error, bytes) option per item, total bytes <= capacity (integers), least total error.
     Returns the chosen index per item, or None if even the cheapest options do not fit."""
+    if capacity < 0:  # the BF16 sink + recent window alone exceeds the budget (a short --context)
+        return None
     inf = float("inf")
     best = torch.full((capacity + 1,), inf, dtype=torch.float64)
     best[0] = 0.0
