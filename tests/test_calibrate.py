@@ -312,6 +312,8 @@ def test_calibrate_never_overwrites_what_it_was_not_asked_to(tmp_path, capsys, s
     assert main(base + ["--out", ""]) == 2 and "--out is empty" in capsys.readouterr().err
     (tmp_path / "file").write_text("mine")
     assert main(base + ["--out", str(tmp_path / "file")]) == 2 and "not a directory" in capsys.readouterr().err
+    assert main(base + ["--out", str(tmp_path / "file" / "new")]) == 2  # was refused only after the calibration
+    assert "file is a file, not a directory" in capsys.readouterr().err
     mine = tmp_path / "mine"
     mine.mkdir()
     (mine / "notes.txt").write_text("keep me")

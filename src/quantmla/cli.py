@@ -145,6 +145,8 @@ def _check_out_dir(out: str, model_dir: Path, overwrite: bool) -> Path:
         raise ValueError(f"--out {out} is not empty ({len(held)} entries, e.g. {held[0]}); choose a new directory, "
                          "or pass --overwrite to replace the checkpoint files in it")
     parent = next(p for p in (path, *path.parents) if p.exists())
+    if not parent.is_dir():  # a file on the way (out/file/new): mkdir would fail only after the calibration
+        raise ValueError(f"--out {out}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"--out {out}: {parent} is not writable")
     return path
