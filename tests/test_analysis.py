@@ -139,6 +139,12 @@ def test_bad_config_json_and_output_paths_are_one_line_errors(tmp_path, capsys):
     (tmp_path / "m" / "config.json").write_text("[1, 2]")
     assert main(["info", str(tmp_path / "m")]) == 2
     assert "holds a JSON list, not an object" in capsys.readouterr().err
+    # output paths are checked before the model loads (they failed only after the run)
+    (tmp_path / "file").write_text("mine")
+    assert main(["analyze", str(tmp_path / "m"), "--plot", str(tmp_path)]) == 2
+    assert "--plot" in (err := capsys.readouterr().err) and "is a directory" in err
+    assert main(["info", str(tmp_path / "m"), "--json", str(tmp_path / "file" / "i.json")]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
 
 
 def _rendered_at_80(table) -> list[str]:

@@ -182,6 +182,19 @@ def test_cli_errors(tiny_dir, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_cli_checks_the_json_path_before_the_run(tiny_dir, tmp_path, capsys, monkeypatch):
+    """--json that is a directory or lies under a file is refused before any work (it failed only after the
+    evaluation, a FileExistsError traceback under a file)."""
+    import quantmla.eval.suite
+
+    monkeypatch.setattr(quantmla.eval.suite, "evaluate", lambda *a, **k: pytest.fail("evaluated"))
+    (tmp_path / "file").write_text("mine")
+    for path, message in ((tmp_path, "is a directory"), (tmp_path / "file" / "x.json", "is a file, not a directory")):
+        assert main(["eval", str(tiny_dir), "--method", "rtn", "--lengths", "160", "--json", str(path)]) == 2
+        assert message in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "mine"
+
+
 def test_cli_missing_model(tmp_path, capsys):
     assert main(["eval", str(tmp_path / "nowhere")]) == 2
     assert "model directory not found" in capsys.readouterr().err

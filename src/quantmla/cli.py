@@ -30,6 +30,23 @@ def _write_json(path: str | None, data: dict) -> None:
         console.print(f"wrote {path}")
 
 
+def _check_out_file(path: str | None, flag: str) -> None:
+    """An output file (--json, --plot), checked before any work: a directory, or a file on the way
+    (file/x.json), would fail only after the run and lose its results."""
+    if path is None:
+        return
+    if not path.strip():
+        raise ValueError(f"{flag} is empty: name the file to write")
+    target = Path(path).expanduser().resolve()
+    if target.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; name a file")
+    parent = next(p for p in target.parents if p.exists())
+    if not parent.is_dir():
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: {parent} is not writable")
+
+
 # ---------------------------------------------------------------- info
 def cmd_info(args) -> None:
     from quantmla.config import CacheConfig
@@ -38,6 +55,7 @@ def cmd_info(args) -> None:
     from quantmla.quant import bytes_per_token
     from quantmla.calibrate.export import cache_config_of
 
+    _check_out_file(args.json, "--json")
     model_dir = resolve_model_dir(args.model)
     layers = describe(model_dir)
     # A calibrated checkpoint's own formats (per layer) unless formats are asked for.
@@ -173,6 +191,8 @@ def cmd_analyze(args) -> None:
     from quantmla.data import encode, read_text, resolve_model_dir, token_windows, tokenizer_for
     from quantmla.models import describe, load_model
 
+    _check_out_file(args.json, "--json")
+    _check_out_file(args.plot, "--plot")
     model_dir = resolve_model_dir(args.model)
     if not 0 < args.nmse < 1:
         raise ValueError(f"--nmse must be in (0, 1), got {args.nmse}")
@@ -367,6 +387,7 @@ def cmd_eval(args) -> None:
     from quantmla.models import load_model
 
     # Check everything the user typed before the (slow) model load.
+    _check_out_file(args.json, "--json")
     if args.method is None:
         from quantmla.calibrate.export import quantmla_section
 
