@@ -46,3 +46,20 @@ def test_demo_table_fits_80_columns_and_shows_the_128k_fraction():
     assert " 28.2 " in lines["int4/int4"] and " 46.6 " in lines["int4/int4"]
     assert " 17.1 " in lines["int2/int4"] and "100/94/75" in lines["int2/int4"]
     assert lines["bf16"].count("100.0") == 2
+
+
+def test_demo_checks_out_before_any_work(tmp_path, capsys, monkeypatch):
+    """--out that is a file, or lies under one, is refused before the BF16 row (it failed only after the BF16 and
+    RTN evaluations and a calibration, when the first checkpoint was written)."""
+    import pytest
+
+    import quantmla.demo
+    from quantmla.cli import main
+
+    monkeypatch.setattr(quantmla.demo, "run_demo", lambda *a, **k: pytest.fail("ran"))
+    (tmp_path / "file").write_text("mine")
+    for out, message in ((tmp_path / "file", "exists and is not a directory"),
+                         (tmp_path / "file" / "demo", "is a file, not a directory")):
+        assert main(["demo", "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err
+    assert (tmp_path / "file").read_text() == "mine"

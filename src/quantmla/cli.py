@@ -478,6 +478,10 @@ def cmd_demo(args) -> None:
     from quantmla.models.adapters import check_unquantized
     from quantmla.eval.suite import EvalSettings
 
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {args.out} exists and is not a directory")
+    _check_out_file(str(out / "demo.json"), "--out")  # a file further up, or no write permission: before any work
     model_dir = resolve_model_dir(args.model)
     check_unquantized(model_dir)  # the demo writes calibrated checkpoints
     settings = DemoSettings(calib_steps=args.steps,
