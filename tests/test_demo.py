@@ -63,3 +63,24 @@ def test_demo_checks_out_before_any_work(tmp_path, capsys, monkeypatch):
         assert main(["demo", "--out", str(out)]) == 2
         assert message in capsys.readouterr().err
     assert (tmp_path / "file").read_text() == "mine"
+
+
+def test_demo_refuses_lengths_and_steps_it_cannot_run(tmp_path, capsys, monkeypatch):
+    """Lengths within its 4 + 128 BF16 tokens are refused before the BF16 row, naming no flag the demo lacks (the
+    evaluation's errors named --scored / --recent, the latter after the BF16 row); --steps 0 or -1 are refused as
+    calibrate refuses them (they ran)."""
+    import pytest
+
+    import quantmla.demo
+    from quantmla.cli import main
+
+    monkeypatch.setattr(quantmla.demo, "run_demo", lambda *a, **k: pytest.fail("ran"))
+    for lengths in ("100", "130", "132"):
+        assert main(["demo", "--out", str(tmp_path / "d"), "--lengths", lengths]) == 2
+        err = capsys.readouterr().err
+        assert "use a length above 132" in err and "--scored" not in err and "--recent" not in err
+    for option in ("--steps", "--samples", "--windows"):
+        for value in ("0", "-1"):
+            with pytest.raises(SystemExit):
+                main(["demo", "--out", str(tmp_path / "d"), option, value])
+            assert "must be >= 1" in capsys.readouterr().err

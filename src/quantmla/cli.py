@@ -482,10 +482,18 @@ def cmd_demo(args) -> None:
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a directory")
     _check_out_file(str(out / "demo.json"), "--out")  # a file further up, or no write permission: before any work
+    lengths = _int_list(args.lengths, "--lengths")
+    # The demo has no --scored/--sink/--recent: say what its fixed 128 scored and 4 + 128 BF16 tokens need here,
+    # before the BF16 row (the evaluation's own errors name flags the demo lacks, and come after that row).
+    floor = max(DemoSettings.sink + DemoSettings.recent, 128)
+    if lengths and max(lengths) <= floor:
+        raise ValueError(f"--lengths {args.lengths}: the demo keeps sink {DemoSettings.sink} + recent "
+                         f"{DemoSettings.recent} tokens in BF16 and scores the last 128 of each window; use a length "
+                         f"above {floor}")
     model_dir = resolve_model_dir(args.model)
     check_unquantized(model_dir)  # the demo writes calibrated checkpoints
     settings = DemoSettings(calib_steps=args.steps,
-                            eval=EvalSettings(lengths=_int_list(args.lengths, "--lengths"), samples=args.samples,
+                            eval=EvalSettings(lengths=lengths, samples=args.samples,
                                               windows=args.windows, scored=128, batch=8))
     console.rule(f"quantmla demo on {model_dir.name}")
     rows = run_demo(model_dir, Path(args.out), settings, log=lambda m: console.print(f"[bold]>[/] {m}"))
@@ -713,10 +721,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("model", nargs="?", help=MODEL_HELP)
     s.add_argument("--out", default="runs/demo", help="where the calibrated checkpoints go (default runs/demo)")
     s.add_argument("--lengths", default="512", help="needle lengths; ppl/kl windows use the longest (default 512)")
-    s.add_argument("--samples", type=int, default=16, help="needle samples per cell (default 16)")
-    s.add_argument("--windows", type=int, default=64,
+    s.add_argument("--samples", type=_positive, default=16, help="needle samples per cell (default 16)")
+    s.add_argument("--windows", type=_positive, default=64,
                    help="held-out windows for KL and perplexity, the last 128 tokens of each scored (default 64)")
-    s.add_argument("--steps", type=int, default=40, help="calibration steps per path and layer (default 40)")
+    s.add_argument("--steps", type=_positive, default=40, help="calibration steps per path and layer (default 40)")
     s.set_defaults(func=cmd_demo)
     s = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on the paged quantized cache",
                        description="Serve MODEL over HTTP with quantmla's engine (continuous batching over a paged "
