@@ -198,7 +198,7 @@ def test_eval_table_is_readable_at_80_columns():
     assert "9.538e-06" in text and "1.9023 / 1.9021" in text and "318.8" in text
 
 
-def test_analyze_command(tiny_dir, tmp_path):
+def test_analyze_command(tiny_dir, tmp_path, capsys):
     out, png = tmp_path / "a.json", tmp_path / "a.png"
     assert main(["analyze", str(tiny_dir), "--length", "192", "--samples", "2", "--json", str(out),
                  "--plot", str(png)]) == 0
@@ -210,6 +210,13 @@ def test_analyze_command(tiny_dir, tmp_path):
     assert data["mean_ratio"] == pytest.approx(sum(r["ratio"] for r in data["layers"]) / 2)
     assert set(data["end_to_end"]) == {"content", "rope"}
     assert png.stat().st_size > 1000
+    # a name without an extension is written under that name, as a PNG (it went to noext.png, reported as noext)
+    assert main(["analyze", str(tiny_dir), "--length", "32", "--samples", "2", "--sink", "2", "--recent", "8",
+                 "--plot", str(tmp_path / "noext")]) == 0
+    assert (tmp_path / "noext").read_bytes()[:4] == b"\x89PNG" and not (tmp_path / "noext.png").exists()
+    # a format matplotlib cannot write is refused before the run (it was refused after it)
+    assert main(["analyze", str(tmp_path / "no-model"), "--plot", str(tmp_path / "p.xyz")]) == 2
+    assert "cannot write .xyz files" in capsys.readouterr().err
     # a smaller window, as the too-short error suggests, lets short sequences run
     assert main(["analyze", str(tiny_dir), "--length", "32", "--samples", "2", "--sink", "2", "--recent", "8",
                  "--json", str(out)]) == 0

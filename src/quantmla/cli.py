@@ -193,6 +193,12 @@ def cmd_analyze(args) -> None:
 
     _check_out_file(args.json, "--json")
     _check_out_file(args.plot, "--plot")
+    if args.plot and (suffix := Path(args.plot).suffix[1:].lower()):
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        if suffix not in (known := FigureCanvasBase.get_supported_filetypes()):  # refused only after the run
+            raise ValueError(f"--plot {args.plot}: matplotlib cannot write .{suffix} files; use .png (or "
+                             f"{', '.join(sorted(known))})")
     model_dir = resolve_model_dir(args.model)
     if not 0 < args.nmse < 1:
         raise ValueError(f"--nmse must be in (0, 1), got {args.nmse}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -220,5 +221,6 @@ def plot(result: AmplificationResult, path, title: str = "") -> None:
     ax.legend(h1 + h2, l1 + l2, loc="upper left", fontsize=8)
     ax.set_title(title or f"Amplification: mean ratio {result.mean_ratio:.2f}x")
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    # A name without an extension gets a PNG under that very name (matplotlib would append ".png" to it).
+    fig.savefig(path, dpi=120, format=None if Path(path).suffix else "png")
     plt.close(fig)
