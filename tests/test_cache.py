@@ -190,6 +190,19 @@ def test_memory_bytes_is_what_is_stored(content, rope):
     assert report["content"]["format"] == str(QuantFormat.parse(content))
 
 
+def test_memory_report_names_every_layers_format():
+    """Per-layer formats (a calibrated checkpoint's section): the report lists each layer's format and token
+    counts in layer order; it gave layer 0's as the whole cache's."""
+    cfg = CacheConfig("int4:8", "int4:8", sink=2, recent=3, layers=(("int4:8", "int4:8"), ("int2:8", "int8:t4")))
+    cache = QuantMLACache(cfg)
+    for i in range(2):
+        cache.update(torch.randn(1, 1, 10, DC), torch.randn(1, 1, 10, DR), i)
+    report = cache.memory_report()
+    assert report["content"]["format"] == ["int4:8", "int2:8"] and report["content"]["quantized_tokens"] == 5
+    assert report["rope"]["format"] == ["int4:8", "int8:t4"] and report["rope"]["quantized_tokens"] == [5, 4]
+    assert report["content"]["bytes"] + report["rope"]["bytes"] == cache.memory_bytes()
+
+
 def test_bf16_serving_cache_costs_1152_bytes_per_token_at_deepseek_dims():
     cache = QuantMLACache(CacheConfig.bf16())
     cache.update(torch.randn(1, 1, 300, 512, dtype=torch.bfloat16), torch.randn(1, 1, 300, 64).bfloat16(), 0)

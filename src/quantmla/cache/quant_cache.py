@@ -332,12 +332,16 @@ class QuantMLACache(Cache):
         return self.memory_bytes() / tokens / layers if tokens and layers else 0.0
 
     def memory_report(self) -> dict:
-        """Per path: format, quantized and protected tokens per layer, and bytes over all layers."""
+        """Per path: format, quantized, staged and protected tokens per layer (one value where every layer
+        agrees, else a list in layer order: a calibrated checkpoint's formats differ per layer), and bytes over
+        all layers."""
         live = [layer for layer in self.layers if layer.is_initialized]
         report = {"layers": len(live), "tokens": live[0].get_seq_length() if live else 0,
                   "bytes": self.memory_bytes(), "bytes_per_token": self.bytes_per_token()}
         for path in ("content", "rope"):
             parts = [getattr(layer, path).report() for layer in live]
             if parts:
-                report[path] = {**parts[0], "bytes": sum(p["bytes"] for p in parts)}
+                values = {k: [p[k] for p in parts] for k in parts[0]}
+                report[path] = {k: v[0] if len(set(v)) == 1 else v for k, v in values.items()}
+                report[path]["bytes"] = sum(values["bytes"])
         return report
