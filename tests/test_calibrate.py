@@ -322,6 +322,30 @@ def test_calibrate_never_overwrites_what_it_was_not_asked_to(tmp_path, capsys, s
     assert (mine / "notes.txt").read_text() == "keep me" and quantmla_section(mine) is not None
 
 
+@pytest.mark.parametrize("streaming", [[], ["--streaming"]])
+def test_calibrate_overwrite_leaves_nothing_of_the_old_checkpoint(tmp_path, streaming):
+    """--overwrite over another (sharded) checkpoint: its index and tokenizer do not survive. In memory the old
+    index stayed beside the new model.safetensors (a later --streaming read looked for its missing shards) and
+    the old tokenizer.json was kept instead of the source's."""
+    from quantmla.calibrate.streaming import ShardReader
+
+    src = save_tiny_model("deepseek_v3", tmp_path / "src")
+    (src / "special_tokens_map.json").write_text('{"new": true}')
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"lm_head.weight": "model-00001-of-00002.safetensors"}}))
+    (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
+    (out / "tokenizer.json").write_text('{"old": true}')
+    (out / "special_tokens_map.json").write_text('{"old": true}')
+    assert main(["calibrate", str(src), "--samples", "3", "--length", "160", "--recent", "16", "--steps", "1",
+                 "--out", str(out), "--overwrite", *streaming]) == 0
+    assert not (out / "tokenizer.json").exists()  # the source has none: the old one is not the model's
+    assert (out / "special_tokens_map.json").read_text() == '{"new": true}'
+    assert all((out / f).is_file() for f in set(ShardReader(out).weight_map.values()))
+    assert not (out / "model-00001-of-00002.safetensors").exists() or streaming
+
+
 # ---------------------------------------------------------------- the quantizer search (clipping, axis)
 def test_rtn_and_smoothquant_are_points_of_the_search(layer_data):
     """The scored points include RTN (recomputed here from the identity transform) and SmoothQuant

@@ -32,11 +32,23 @@ def save_calibrated(model, out_dir: str | Path, cfg: CacheConfig, calibration: d
     (`driver.chosen_config`; cfg as given without reports)."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    clear_checkpoint(out_dir)
     setattr(model.config, SECTION, section(cfg, calibration, reports))
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(out_dir)
     return finish_checkpoint(out_dir, reports, source_dir)
+
+
+def clear_checkpoint(out_dir: Path) -> None:
+    """Remove an earlier checkpoint's files from out_dir (`calibrate --overwrite`) before writing a new one. What
+    save_pretrained leaves would outlive it: a sharded checkpoint's index beside the new single
+    model.safetensors (readers of the index, the streaming reader and vLLM, then look for shards that are
+    gone), and tokenizer files that `finish_checkpoint` would keep instead of copying the source's."""
+    for name in ("config.json", "calibration_report.json", "model.safetensors.index.json", *_COPY):
+        (out_dir / name).unlink(missing_ok=True)
+    for stale in out_dir.glob("model*.safetensors"):
+        stale.unlink()
 
 
 def section(cfg: CacheConfig, calibration: dict, reports=()) -> dict:

@@ -32,7 +32,7 @@ from torch import nn
 
 from quantmla.calibrate.driver import calibrate_model
 from quantmla.calibrate.space import SearchSpace
-from quantmla.calibrate.export import SECTION, finish_checkpoint, section
+from quantmla.calibrate.export import SECTION, clear_checkpoint, finish_checkpoint, section
 from quantmla.config import CacheConfig
 from quantmla.models.adapters import check_checkpoint_dir, check_safetensors, describe, load_config
 
@@ -179,11 +179,9 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     files = [f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors" for i in range(n + 1)]
     weight_map: dict[str, str] = {}
     out_dir.mkdir(parents=True, exist_ok=True)
-    # As save_pretrained does (an old single file would shadow the new index), and the old config too: an
-    # interrupted run must not leave a directory that looks like a finished checkpoint (config.json last).
-    for stale in (*out_dir.glob("model*.safetensors"), *out_dir.glob("model.safetensors.index.json"),
-                  *out_dir.glob("config.json"), *out_dir.glob("calibration_report.json")):
-        stale.unlink()
+    # An old single file would shadow the new index, and an interrupted run must not leave a directory that
+    # looks like a finished checkpoint (config.json is written last).
+    clear_checkpoint(out_dir)
     peak = 0
 
     def write(shard: str, keys, state: dict[str, torch.Tensor], source: dict[str, torch.Tensor]):
