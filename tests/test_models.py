@@ -299,3 +299,19 @@ def test_a_tokenizer_past_the_models_vocabulary_is_a_clear_error(tmp_path, capsy
     assert main(["calibrate", str(path), "--samples", "3", "--length", "64", "--recent", "16", "--steps", "1",
                  "--out", str(tmp_path / "o")]) == 2
     assert "the tokenizer does not belong to these weights" in capsys.readouterr().err
+
+
+def test_damaged_weights_and_tokenizer_files_are_one_line_errors(tmp_path):
+    """A truncated shard and a tokenizer.json that is not JSON or not a tokenizer gave safetensors' / transformers'
+    tracebacks (KeyError 'added_tokens'), or an error naming no file."""
+    from quantmla.data import tokenizer_for
+
+    src = save_tiny_model("deepseek_v3", tmp_path / "m")
+    shard = next(src.glob("*.safetensors"))
+    shard.write_bytes(shard.read_bytes()[:1000])
+    with pytest.raises(ValueError, match=f"{shard.name} is not a readable safetensors file"):
+        load_model(src)
+    for text in ('{"x": 1}', "not json{"):
+        (src / "tokenizer.json").write_text(text)
+        with pytest.raises(ValueError, match=f"could not read the tokenizer files in {src}"):
+            tokenizer_for(src)

@@ -73,9 +73,13 @@ def tokenizer_for(model_dir: str | Path):
         tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
     except ValueError as e:
         if "custom code" not in str(e):
-            raise
+            raise ValueError(f"transformers could not read the tokenizer files in {model_dir} ({e}); fix or replace "
+                             "its tokenizer.json / tokenizer_config.json") from None
         raise ValueError(f"transformers could not build a tokenizer from the files in {model_dir} without the "
                          f"checkpoint's own code, which quantmla does not run: {remedy}") from None
+    except Exception as e:  # e.g. KeyError from a tokenizer.json of another schema
+        raise ValueError(f"transformers could not read the tokenizer files in {model_dir} ({type(e).__name__}: "
+                         f"{e}); fix or replace its tokenizer.json / tokenizer_config.json") from None
     if len(tok) <= 1:  # transformers 5 builds an empty tokenizer rather than fail
         raise ValueError(f"transformers could not build a tokenizer from the files in {model_dir} (a vocabulary of "
                          f"{len(tok)}; a tokenizer that needs its own code is not run): {remedy}")
