@@ -133,6 +133,30 @@ def test_info_shows_a_calibrated_checkpoints_own_formats(tiny_dir, tmp_path):
     assert main(["info", str(ckpt), "--content", "int4", "--json", str(out)]) == 0  # asked for: as asked
     assert {r["content"] for r in json.loads(out.read_text())["layers"]} == {"int4:32"}
 
+def test_info_per_layer_formats_are_readable_at_80_columns(tiny_dir, tmp_path, monkeypatch):
+    """A budget-calibrated checkpoint's formats differ by layer: they get a table of layers (the summary's cells
+    listed them joined, cut short at 80 columns: 'int8r64,in…', without saying which layer holds which)."""
+    import shutil
+
+    from rich.console import Console
+
+    import quantmla.cli
+
+    ckpt = tmp_path / "cal"
+    shutil.copytree(tiny_dir, ckpt)
+    cfg = json.loads((ckpt / "config.json").read_text())
+    cfg["quantmla"] = {"method": "quantmla", "content": "int4", "rope": "int4",
+                       "layers": [["int8:16r16c0.95", "int8:4c0.95"], ["int4:16c0.95", "bf16"]]}
+    (ckpt / "config.json").write_text(json.dumps(cfg))
+    console = Console(width=80, record=True, file=open(os.devnull, "w"))
+    monkeypatch.setattr(quantmla.cli, "console", console)
+    assert main(["info", str(ckpt)]) == 0
+    text = console.export_text()
+    assert "\u2026" not in text and max(map(len, text.splitlines())) <= 80, text
+    rows = [line.split() for line in text.splitlines()]
+    assert ["0", "int8:16r16c0.95", "int8:4c0.95"] in [r[:3] for r in rows], text
+    assert ["1", "int4:16c0.95", "bf16"] in [r[:3] for r in rows], text
+
 
 def test_bad_config_json_and_output_paths_are_one_line_errors(tmp_path, capsys):
     (tmp_path / "m").mkdir()
@@ -264,3 +288,18 @@ def test_ctrl_c_is_a_short_message_and_exit_130(tiny_dir, monkeypatch, capsys):
     monkeypatch.setattr(cli, "cmd_info", interrupted)
     assert main(["info", str(tiny_dir)]) == 130
     assert capsys.readouterr().err.strip() == "interrupted"
+
+
+def test_calibration_table_keeps_long_formats_whole_at_80_columns():
+    """calibrate's table cut a budget's formats at 80 columns ('int8:16r12…', and the SmoothQuant header)."""
+    from types import SimpleNamespace
+
+    from quantmla.cli import calibration_table
+
+    reports = [SimpleNamespace(layer=i, content_identity=3.6e-4, content_smoothquant=1.58e-4, content_best=2.17e-7,
+                               content_format="int8:16r128c0.95", rope_identity=3.06e-5, rope_smoothquant=8.84e-6,
+                               rope_best=3.98e-6, rope_format="int4:t64c0.95") for i in (12, 13)]
+    lines = _rendered_at_80(calibration_table(reports))
+    assert all(len(line) <= 80 and "\u2026" not in line for line in lines), "\n".join(lines)
+    text = "\n".join(lines)
+    assert "int8:16r128c0.95" in text and "SmoothQuant" in text and "1.66e+03x" in text

@@ -240,8 +240,9 @@ def cmd_analyze(args) -> None:
 def calibration_table(reports) -> Table:
     """Per layer and path: RTN (the identity), SmoothQuant and the chosen point's objective on the report
     sequences, the gain over RTN, and the format chosen."""
+    # collapse_padding: one space between columns keeps a format such as int8:16r128c0.95 whole at 80 columns
     table = Table(title="Calibration objectives on the report sequences (they neither fit nor chose; real "
-                        "quantization)", box=box.SIMPLE_HEAD)
+                        "quantization)", box=box.SIMPLE_HEAD, collapse_padding=True)
     for col in ("layer", "path", "chosen format", "RTN", "SmoothQuant", "quantmla", "vs RTN"):
         table.add_column(col, justify="left" if col in ("path", "chosen format") else "right")
     for r in reports:
