@@ -133,6 +133,7 @@ def test_info_shows_a_calibrated_checkpoints_own_formats(tiny_dir, tmp_path):
     assert main(["info", str(ckpt), "--content", "int4", "--json", str(out)]) == 0  # asked for: as asked
     assert {r["content"] for r in json.loads(out.read_text())["layers"]} == {"int4:32"}
 
+
 def test_info_per_layer_formats_are_readable_at_80_columns(tiny_dir, tmp_path, monkeypatch):
     """A budget-calibrated checkpoint's formats differ by layer: they get a table of layers (the summary's cells
     listed them joined, cut short at 80 columns: 'int8r64,in…', without saying which layer holds which)."""
