@@ -319,6 +319,28 @@ def test_text_prompts_and_stop_on_eos(small_llm):
     assert cut.finish_reason == "stop" and cut.token_ids == out.token_ids[: out.token_ids.index(stop) + 1]
 
 
+def test_stops_at_the_generation_configs_eos(tmp_path):
+    """A checkpoint whose generation_config.json names other eos ids than its config.json (Kimi K2's chat
+    turns end at <|im_end|>, which only generation_config.json names): the engine stops where transformers'
+    generate stops, not at max_tokens."""
+    import json
+
+    from quantmla.models.tiny import save_tiny_model
+
+    path = save_tiny_model("deepseek_v3", tmp_path / "ckpt")
+    ids = prompts(128, (20,))[0]
+    free = LLM(path, content="bf16", rope="bf16", max_num_seqs=1, kv_cache_bytes=1 << 20)
+    out = free.generate([ids], SamplingParams(max_tokens=NEW, ignore_eos=True))[0].token_ids
+    stop = out[3]
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [stop]}))
+    x = torch.tensor([ids])
+    want = load_model(path).generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW, do_sample=False)
+    llm = LLM(path, content="bf16", rope="bf16", max_num_seqs=1, kv_cache_bytes=1 << 20)
+    got = llm.generate([ids], SamplingParams(max_tokens=NEW))[0]
+    assert got.token_ids == want[0, len(ids):].tolist() == out[: out.index(stop) + 1]
+    assert got.finish_reason == "stop"
+
+
 @pytest.mark.parametrize("prompt, kw, message", [
     ("", {}, "empty"),
     ([1] * 1000, {"max_tokens": 100}, "model's limit"),

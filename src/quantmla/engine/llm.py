@@ -91,6 +91,17 @@ def _cache_config(section: CacheConfig | None, content, rope, sink, recent) -> C
                        base.recent if recent is None else recent, layers=layers)
 
 
+def eos_token_ids(model: nn.Module) -> set[int]:
+    """The ids that end a request: the model config's eos_token_id and its generation config's, which is what
+    transformers' `generate` stops at (and vLLM adds to its stop ids). Checkpoints differ there: Kimi K2's
+    generation_config.json ends a chat turn at <|im_end|>, its config.json names only [EOS]."""
+    ids = set()
+    for config in (model.config.get_text_config(), getattr(model, "generation_config", None)):
+        eos = getattr(config, "eos_token_id", None)
+        ids |= set(eos if isinstance(eos, (list, tuple)) else [] if eos is None else [eos])
+    return {int(t) for t in ids}
+
+
 class TooLong(ValueError):
     """A request the model's limit or the whole pool cannot hold; `param` is whose fault: "prompt" when the
     prompt alone leaves no room for output, else "max_tokens"."""
@@ -139,8 +150,7 @@ class LLM:
         self.scheduler = Scheduler(self.blocks, max_num_seqs, max(prefill_chunk, self.max_model_len))
         self.runner = ModelRunner(model, layers, self.cache_config, num_blocks, max_num_seqs, block_size,
                                   self.max_model_len, prefill_chunk, cuda_graphs)  # fmt: skip
-        self.eos = getattr(model.config, "eos_token_id", None)
-        self.eos = set(self.eos if isinstance(self.eos, list) else [] if self.eos is None else [self.eos])
+        self.eos = eos_token_ids(model)
         self.requests: dict[str, Sequence] = {}
         self._ids = itertools.count()
         self._shared_gen = torch.Generator().manual_seed(0)
