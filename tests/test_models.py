@@ -172,6 +172,28 @@ def test_tokenizer_that_needs_its_own_code_is_a_clear_error(tmp_path):
         tokenizer_for(path)  # no auto_map at all: transformers builds an empty tokenizer
 
 
+def test_kimi_k2_checkpoint_with_a_tokenizer_json_gets_its_tokenizer(tmp_path):
+    """The remedy for Kimi K2's tiktoken tokenizer, a tokenizer.json saved beside the weights, works: the
+    tokenizer loads although transformers cannot read the kimi_k2 config.json (its auto_map) on its own; its
+    fallback fails on Kimi K2's RoPE settings (rope_scaling, rope_theta)."""
+    import json
+    import shutil
+
+    from quantmla.data import default_model_dir, tokenizer_for
+
+    path = _retyped(tmp_path, "kimi_k2")
+    cfg = json.loads((path / "config.json").read_text())
+    del cfg["rope_parameters"]
+    cfg.update(rope_theta=50000.0, rope_scaling={"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128,
+                                                 "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 1.0, "beta_slow": 1.0})
+    (path / "config.json").write_text(json.dumps(cfg))
+    assert load_model(path).config.rope_parameters["rope_type"] == "yarn"
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(default_model_dir() / name, path / name)
+    want = tokenizer_for(default_model_dir())
+    assert tokenizer_for(path).encode("def main():") == want.encode("def main():")
+
+
 def test_a_checkpoint_missing_a_weight_is_refused_not_filled_with_random_values(tmp_path):
     """transformers initialises a weight the files lack at random and only logs it; load_model refuses."""
     from safetensors.torch import load_file, save_file

@@ -58,6 +58,17 @@ def read_text(path: str | Path | None, default: str = "calibration.txt") -> str:
     return shipped.read_text(encoding="utf-8")
 
 
+def _alias_config(model_dir: Path) -> dict:
+    """{"config": ...} for a checkpoint of an aliased model_type (Kimi K2's kimi_k2, `ALIASES`): AutoTokenizer
+    reads config.json, which transformers cannot build without the checkpoint's own code, and fails on the
+    half-built config it falls back to (an AttributeError), even beside a plain tokenizer.json."""
+    from quantmla.models.adapters import ALIASES, load_config, read_config_json
+
+    if (model_dir / "config.json").is_file() and read_config_json(model_dir).get("model_type") in ALIASES:
+        return {"config": load_config(model_dir)}
+    return {}
+
+
 def tokenizer_for(model_dir: str | Path):
     """The checkpoint's own tokenizer, or None when it ships none (the tiny test models). The checkpoint's
     own tokenizer code (an `auto_map` in tokenizer_config.json, as Kimi K2's) is never run; where
@@ -70,7 +81,8 @@ def tokenizer_for(model_dir: str | Path):
     remedy = ("save the tokenizer there as a tokenizer.json (e.g. with `tokenizer.save_pretrained` where its code "
               "may run)")
     try:
-        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False)
+        tok = AutoTokenizer.from_pretrained(model_dir, local_files_only=True, trust_remote_code=False,
+                                            **_alias_config(model_dir))
     except ValueError as e:
         if "custom code" not in str(e):
             raise ValueError(f"transformers could not read the tokenizer files in {model_dir} ({e}); fix or replace "
