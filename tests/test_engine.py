@@ -65,6 +65,40 @@ def test_bf16_greedy_equals_transformers_generate(family):
     assert got == want
 
 
+def longrope_minicpm3():
+    """A tiny MiniCPM3 whose longrope switches to its long factors past 64 tokens (MiniCPM3-4B's
+    original_max_position_embeddings is its whole context, so it never does)."""
+    half = TINY_FAMILIES["minicpm3"][1]["qk_rope_head_dim"] // 2
+    rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64, factor=8.0,
+                short_factor=[1.0 + 0.1 * i for i in range(half)], long_factor=[2.0 + 0.5 * i for i in range(half)])
+    model = tiny_model("minicpm3", rope_parameters=rope)
+    with torch.no_grad():  # sharper attention, so that the rotary's factors show in the greedy tokens
+        for layer in describe(model):
+            query_weight(attention_module(model, layer), layer).weight.mul_(8)
+    return model
+
+
+def test_longrope_factors_per_request_as_generate():
+    """transformers' longrope takes the long factors when the largest position of the forward passes
+    original_max_position_embeddings; generate, per request, for the whole prompt when it is longer, else
+    from the first generated token past it. The engine gives each request that choice, whatever its batch,
+    prefill chunks or preemptions: greedy tokens equal generate's for a short request batched beside long
+    ones, one crossing 64 while decoding and one longer from the start (chunks of 16 split it)."""
+    ref = longrope_minicpm3()
+    ids = prompts(ref.config.vocab_size, (5, 50, 80))
+    want = [hf_greedy(ref, p, 20) for p in ids]
+    kw = dict(content="bf16", rope="bf16", block_size=PAGE, max_num_seqs=3, prefill_chunk=16, max_model_len=128)
+    free = LLM(longrope_minicpm3(), **kw)
+    assert [o.token_ids for o in free.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True))] == want
+    tight = LLM(longrope_minicpm3(), **kw, kv_cache_bytes=free.layout.bytes_for(11, 3))
+    assert [o.token_ids for o in tight.generate(ids, SamplingParams(max_tokens=20, ignore_eos=True))] == want
+    assert tight.stats()["preemptions"] > 0
+    # not vacuous: the short factors alone (no switch) give other tokens
+    short = longrope_minicpm3()
+    short.config.rope_parameters["original_max_position_embeddings"] = 1 << 20
+    assert [hf_greedy(short, p, 20) for p in ids[1:]] != want[1:]
+
+
 def sharp_model(family: str):
     """A tiny model with queries x8: random tiny models attend almost uniformly, so a cache error would
     rarely change a greedy token; peaked attention makes the quantized cache visible in the output."""

@@ -39,6 +39,58 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted({b for b in [1, 2, 4, 8, *range(16, max_num_seqs + 16, 16)] if b <= max_num_seqs} | {max_num_seqs})
 
 
+class PerRequestLongRope(nn.Module):
+    """Stands in for a longrope rotary embedding (MiniCPM3's type) whose original_max_position_embeddings is
+    below max_model_len. transformers' rotary picks the long or the short factors by the largest position of
+    the whole forward, so in a batched decode one long sequence switched every other one to the long
+    factors, and a chunked prefill split one prompt between the two. `generate`, per request, uses the long
+    factors for every prompt position when the prompt is longer than original_max_position_embeddings, and
+    for a generated token when its position + 1 is. Here each position gets that choice from its
+    sequence's prompt length (`prompt_lens`, set by the runner per forward), whatever else is in the batch,
+    however the prompt is chunked and after a recompute."""
+
+    def __init__(self, rope: nn.Module, original_max: int):
+        super().__init__()
+        self.rope, self.original_max = rope, original_max
+        self.prompt_lens: list[int] = []
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
+        lens = torch.tensor(self.prompt_lens, device=position_ids.device)[:, None]
+        use_long = torch.where(position_ids < lens, lens, position_ids + 1) > self.original_max  # [B, T]
+        rows = []
+        for pos, long in zip(position_ids, use_long):
+            # The short factors where the whole call stays within original_max (long positions zeroed, not
+            # used); the long ones by adding a position that crosses it.
+            short = self.rope(x, torch.where(long, 0, pos)[None])
+            crossed = self.rope(x, torch.cat([pos, pos.new_full((1,), self.original_max)])[None])
+            if isinstance(short, tuple):  # (cos, sin); DeepSeek-V2's rotary returns one complex tensor
+                rows.append(tuple(_pick(long, s, c) for s, c in zip(short, crossed)))
+            else:
+                rows.append(_pick(long, short, crossed))
+        if isinstance(rows[0], tuple):
+            return tuple(torch.cat(parts) for parts in zip(*rows))
+        return torch.cat(rows)
+
+
+def _pick(long: torch.Tensor, short: torch.Tensor, crossed: torch.Tensor) -> torch.Tensor:
+    """Per position (dim 1), crossed's value (its extra last position dropped) where `long`, else short's."""
+    return torch.where(long.view(1, -1, *[1] * (short.dim() - 2)), crossed[:, :-1], short)
+
+
+def wrap_longrope(model: nn.Module, max_model_len: int) -> list[tuple[str, PerRequestLongRope]]:
+    """Put a `PerRequestLongRope` in place of each longrope rotary embedding that would switch factors within
+    max_model_len; (module name, wrapper) of each."""
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        params = getattr(getattr(module, "config", None), "rope_parameters", None) or {}
+        if getattr(module, "rope_type", None) == "longrope" and hasattr(module, "original_inv_freq"):
+            original_max = int(params.get("original_max_position_embeddings") or max_model_len)
+            if original_max < max_model_len:
+                wrapped.append((name, PerRequestLongRope(module, original_max)))
+                model.set_submodule(name, wrapped[-1][1])
+    return wrapped
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, layers: list[MLALayer], config: CacheConfig, num_blocks: int,
                  max_num_seqs: int, block_size: int, max_model_len: int, prefill_chunk: int,
@@ -61,12 +113,15 @@ class ModelRunner:
             self.caches.append(cache)
         self._attn_implementation = model.config._attn_implementation
         model.config._attn_implementation = ATTENTION_NAME
+        self.ropes = wrap_longrope(model, max_model_len)
         # One block-table row per slot (the scratch slot's row points at the scratch page everywhere).
         self.slot_tables = torch.full((max_num_seqs + 1, self.max_blocks), num_blocks, dtype=torch.int32,
                                       device=self.device)  # fmt: skip
         self._slot_len = [0] * (max_num_seqs + 1)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if cuda_graphs and self.device.type == "cuda":
+        if cuda_graphs and self.device.type == "cuda" and self.ropes:  # its factors are chosen on the host
+            log.warning("decode runs eagerly: longrope switches factors by position, which a graph cannot capture")
+        elif cuda_graphs and self.device.type == "cuda":
             self._capture(graph_batch_sizes(max_num_seqs))
 
     def decode_kernels(self) -> list[str]:
@@ -91,8 +146,14 @@ class ModelRunner:
             if isinstance(wrapper, PagedAttention):
                 self.model.set_submodule(layer.module, wrapper.attn)
         self.model.config._attn_implementation = self._attn_implementation
+        for name, rope in self.ropes:
+            self.model.set_submodule(name, rope.rope)
         self.graphs.clear()
         self.caches.clear()
+
+    def _prompt_lens(self, seqs: list[Sequence], pad: int = 0) -> None:
+        for _, rope in self.ropes:
+            rope.prompt_lens = [s.num_prompt_tokens for s in seqs] + [1] * pad
 
     def _forward(self, ids: torch.Tensor, pos: torch.Tensor, logits_to_keep: int = 1) -> torch.Tensor:
         out = self.model(input_ids=ids, position_ids=pos, use_cache=False, logits_to_keep=logits_to_keep)
@@ -112,6 +173,7 @@ class ModelRunner:
         rows = []
         for seq in seqs:
             self._sync_table(seq, whole=True)
+            self._prompt_lens([seq])
             table = self.slot_tables[seq.slot]
             ids = torch.tensor(seq.token_ids, dtype=torch.long).to(self.device, non_blocking=True)
             for start in range(0, len(seq), self.prefill_chunk):
@@ -136,6 +198,7 @@ class ModelRunner:
                              [s.slot for s in seqs] + [self.scratch_slot] * pad])  # fmt: skip
         for s in seqs:
             self._sync_table(s)
+        self._prompt_lens(seqs, pad)
         if bs in self.graphs:
             graph, out = self.graphs[bs]
             self._meta[:, :bs].copy_(meta, non_blocking=True)
