@@ -450,6 +450,27 @@ def refusals(tmp_path_factory):
 
 
 @needs_vllm
+def test_amx_backend_refuses_a_quantized_cache(monkeypatch):
+    """On CPUs with AMX vLLM runs MLA models with its AMX backend, not CPU_MLA: the plugin's guard in that slot
+    refuses a quantized cache (it was served in BF16 unnoticed) and names --attention-backend CPU_MLA; this
+    CPU may have no AMX, so the guard is built directly."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from quantmla.integrations.vllm import cpu, register
+
+    register()
+    try:
+        assert AttentionBackendEnum.AMX_MLA.get_class() is cpu.AMXGuardBackend
+    finally:
+        for backend in (AttentionBackendEnum.CPU_MLA, AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.AMX_MLA):
+            backend.clear_override()
+    monkeypatch.setenv(settings.ENV, "int4,int4")
+    with pytest.raises(ValueError, match="int4,int4 asks for quantmla's cache, but vLLM picked its AMX MLA backend.*"
+                                         "--attention-backend CPU_MLA"):
+        cpu.AMXGuardBackend.get_impl_cls()(8, 576, 0.1, 1, None, None, "auto", None, "decoder", None)
+
+
+@needs_vllm
 def test_non_mla_model_is_refused(refusals):
     assert "does not use MLA (multi-head latent attention): quantmla only quantizes MLA caches" in refusals["llama"]()
 

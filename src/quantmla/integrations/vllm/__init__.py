@@ -3,8 +3,10 @@ puts quantmla's packed MLA cache behind vLLM's MLA attention backend slot.
 
 vLLM calls `register()` in every process it starts (engine and workers). It replaces, through vLLM's
 `register_backend` (no monkeypatching):
-  - on the CPU: CPU_MLA with `cpu.QuantMLACPUBackend`, and CPU_ATTN with a guard that refuses non-MLA
-    models when QUANTMLA_VLLM_CACHE asks for quantmla (otherwise it is vLLM's own backend);
+  - on the CPU: CPU_MLA with `cpu.QuantMLACPUBackend`, CPU_ATTN with a guard that refuses non-MLA
+    models when QUANTMLA_VLLM_CACHE asks for quantmla (otherwise it is vLLM's own backend), and AMX_MLA
+    (vLLM's pick for MLA on CPUs with AMX) with a guard that refuses the same, naming --attention-backend
+    CPU_MLA;
   - on CUDA: TRITON_MLA with `cuda.QuantMLATritonBackend` (select it with --attention-backend TRITON_MLA;
     untested, see the README).
 The formats come from `settings` (the checkpoint's quantmla section, or QUANTMLA_VLLM_CACHE). To run
@@ -25,5 +27,6 @@ def register() -> None:
     if current_platform.is_cpu():
         register_backend(AttentionBackendEnum.CPU_MLA, f"{_HERE}.cpu.QuantMLACPUBackend")
         register_backend(AttentionBackendEnum.CPU_ATTN, f"{_HERE}.cpu.NonMLAGuardBackend")
+        register_backend(AttentionBackendEnum.AMX_MLA, f"{_HERE}.cpu.AMXGuardBackend")
     elif current_platform.is_cuda():
         register_backend(AttentionBackendEnum.TRITON_MLA, f"{_HERE}.cuda.QuantMLATritonBackend")
