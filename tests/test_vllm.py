@@ -217,6 +217,28 @@ def test_slots_follow_requests():
         t.assign([1, 2, 4], [0, 0, 0])
 
 
+@needs_vllm
+def test_per_layer_formats_follow_the_cache_index():
+    """Which of a section's per-layer formats an attention serves, from its kv_b_proj's prefix: its decoder
+    layer, or for LongCat-Flash (two MLA attentions per decoder layer, num_hidden_layers = 2 * num_layers)
+    2 * layer + attention, transformers' layer_idx (it was vLLM's 'should only contain one integer')."""
+    from types import SimpleNamespace as NS
+
+    from quantmla.integrations.vllm.backend import _cache_index
+
+    cfg = CacheConfig.from_dict({"content": "int4", "rope": "int4", "layers": [["int4", "int4"]] * 4})
+
+    def index(model_type, prefix):
+        hf = NS(model_type=model_type, num_hidden_layers=4)
+        return _cache_index(NS(kv_b_proj=NS(prefix=prefix)), cfg, NS(model_config=NS(hf_text_config=hf)))
+
+    assert index("deepseek_v3", "model.layers.3.self_attn.kv_b_proj") == 3
+    assert [index("longcat_flash", f"model.layers.{i}.self_attn.{j}.kv_b_proj") for i in (0, 1) for j in (0, 1)] \
+        == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="formats for 4 layers; this model has 4 MLA layers and its attention no"):
+        index("deepseek_v3", "")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The engine runs
 

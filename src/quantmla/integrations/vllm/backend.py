@@ -113,20 +113,26 @@ def _step_plan() -> tuple[StepPlan, int] | None:
 
 
 def _cache_index(impl, cfg: CacheConfig, vllm_config) -> int:
-    """The cache index whose per-layer formats this attention serves: its decoder layer, read from the prefix
-    of its kv_b_proj ("model.layers.3.self_attn.kv_b_proj"); 0 without per-layer formats."""
+    """The cache index whose per-layer formats this attention serves, read from the prefix of its kv_b_proj:
+    its decoder layer ("model.layers.3.self_attn.kv_b_proj"), or for LongCat-Flash, which has two MLA
+    attentions per decoder layer ("model.layers.3.self_attn.1.kv_b_proj"), 2 * layer + attention, the
+    layer_idx transformers gives it and so the index of its formats in the section; 0 without per-layer
+    formats."""
     if not cfg.layers:
         return 0
     from vllm.model_executor.models.utils import extract_layer_index
 
-    layers = getattr(vllm_config.model_config.hf_text_config, "num_hidden_layers", None)
+    hf = vllm_config.model_config.hf_text_config
+    layers = getattr(hf, "num_hidden_layers", None)  # LongCat-Flash: 2 * num_layers, one per MLA attention
     prefix = getattr(getattr(impl, "kv_b_proj", None), "prefix", "")
     if layers != len(cfg.layers) or not prefix:
         raise ValueError(f"quantmla: the checkpoint's section has formats for {len(cfg.layers)} layers; this "
-                         f"model has {layers} decoder layers{'' if prefix else ' and its attention no layer prefix'}"
-                         ": quantmla's vLLM backend maps one MLA attention per decoder layer (serve it with "
+                         f"model has {layers} MLA layers{'' if prefix else ' and its attention no layer prefix'}"
+                         ": quantmla's vLLM backend maps one MLA attention per cache index (serve it with "
                          "`quantmla serve`, or set QUANTMLA_VLLM_CACHE to one format pair)")
-    return extract_layer_index(prefix)
+    # vLLM binds LongCat's KV caches to layers the same way (worker/gpu/attn_utils.py: num_attn_module).
+    per_layer = 2 if getattr(hf, "model_type", None) == "longcat_flash" else 1
+    return extract_layer_index(prefix, per_layer)
 
 
 class QuantMLAImplMixin:
