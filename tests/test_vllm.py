@@ -239,6 +239,18 @@ def test_per_layer_formats_follow_the_cache_index():
         index("deepseek_v3", "")
 
 
+@needs_vllm
+def test_kv_cache_dtype_other_than_auto_is_refused():
+    """--kv-cache-dtype fp8 beside quantmla's formats ran INT4 rows while vLLM logged an fp8 cache, and failed
+    BF16 rows at the first step ('does not have quantmla's 1152-byte rows'): refused, naming the setting."""
+    from quantmla.integrations.vllm.backend import check_kv_cache_dtype
+
+    check_kv_cache_dtype("auto")
+    with pytest.raises(ValueError, match=f"{settings.ENV} or the checkpoint's quantmla section.*not "
+                                         "--kv-cache-dtype: leave it at auto \\(got 'fp8'\\)"):
+        check_kv_cache_dtype("fp8")
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The engine runs
 

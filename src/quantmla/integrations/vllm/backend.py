@@ -135,6 +135,16 @@ def _cache_index(impl, cfg: CacheConfig, vllm_config) -> int:
     return extract_layer_index(prefix, per_layer)
 
 
+def check_kv_cache_dtype(cache_dtype: str) -> None:
+    """Refuse a --kv-cache-dtype other than "auto": the formats are quantmla's (QUANTMLA_VLLM_CACHE or the
+    checkpoint's section), and vLLM would log a cache it does not hold (fp8 with INT4 rows: it ran, silently
+    INT4) or size its tensor for it (fp8 with BF16 rows: it failed at the first step with a row-size error)."""
+    if cache_dtype != "auto":
+        raise ValueError(f"quantmla's vLLM backend takes its cache formats from {settings.ENV} or the checkpoint's "
+                         f"quantmla section (e.g. {settings.ENV}=fp8,fp8), not --kv-cache-dtype: leave it at auto "
+                         f"(got {cache_dtype!r})")
+
+
 class QuantMLAImplMixin:
     """forward_mqa / forward_mha / do_kv_cache_update over quantmla's cache; mixed into vLLM's MLA impl of
     the platform (which supplies __init__, the prefill attention and the weight absorption)."""
@@ -146,6 +156,7 @@ class QuantMLAImplMixin:
                              f"model's {dc}/{dr}")
         layout.row_bytes(cfg, dc, dr)  # refuses what one row per token cannot hold (token-axis formats)
         vllm_config = get_current_vllm_config_or_none()
+        check_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
         self.quantmla_layer = _cache_index(self, cfg, vllm_config)
         # refuses what the paged cache cannot store
         PagedMLACache.allocate(cfg.at(self.quantmla_layer), dc, dr, num_blocks=1, max_seqs=1, block_size=1)
