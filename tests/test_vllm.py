@@ -251,6 +251,21 @@ def test_kv_cache_dtype_other_than_auto_is_refused():
         check_kv_cache_dtype("fp8")
 
 
+@needs_vllm
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_spec_rows_are_quantmlas_bytes_in_any_model_dtype(monkeypatch, dtype):
+    """vLLM sizes the KV tensor from the spec; BF16 rows must be 1152 bytes for a float32 model too (its spec
+    was left as vLLM's, 2304-byte rows, and the first step failed 'does not have quantmla's 1152-byte rows')."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    from quantmla.integrations.vllm import backend
+
+    spec = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=dtype)
+    for cfg, row in ((CacheConfig.bf16(), 1152), (CacheConfig("int4", "int4"), 324)):
+        monkeypatch.setattr(backend, "_RESOLVED", (cfg, 512, 64, "test"))
+        assert backend._quantmla_spec(spec).page_size_bytes == 16 * row
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The engine runs
 

@@ -226,12 +226,11 @@ class QuantMLAImplMixin:
 
 
 def _quantmla_spec(spec):
-    """The KV cache spec with quantmla's row size (unchanged for BF16, whose row is vLLM's own)."""
+    """The KV cache spec with quantmla's row size, in bytes whatever vLLM's cache dtype: BF16 rows too are
+    1152 bytes at 512 + 64 (a float32 model's vLLM row is 2304, which `layout.attach` refused at the first step)."""
     cfg, dc, dr, _ = _model_cache_config()
     if spec.head_size != dc + dr:
         raise ValueError(f"quantmla: MLA head size {spec.head_size} != kv_lora_rank {dc} + rope {dr}")
-    if cfg.content.kind == "bf16" and cfg.rope.kind == "bf16":
-        return spec
     return replace(spec, state_content_bytes=layout.row_bytes(cfg, dc, dr))
 
 
