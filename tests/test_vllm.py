@@ -280,7 +280,9 @@ def _engine_main(model_dir: str, out_path: str) -> None:
     write tokens, logprobs and the KV capacity vLLM reports to out_path."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=model_dir, max_model_len=1024, max_num_seqs=4, dtype="bfloat16", seed=0)
+    # CPU_MLA named: on a CPU with AMX vLLM would otherwise pick its AMX backend, which the plugin guards
+    llm = LLM(model=model_dir, max_model_len=1024, max_num_seqs=4, dtype="bfloat16", seed=0,
+              attention_backend="CPU_MLA")
     outs = llm.generate(_prompts(), SamplingParams(temperature=0, max_tokens=NEW_TOKENS, logprobs=TOP_K))
     result = {"prompt_ids": [o.prompt_token_ids for o in outs], "tokens": [o.outputs[0].token_ids for o in outs],
               "logprobs": [[{str(k): v.logprob for k, v in step.items()} for step in o.outputs[0].logprobs]
@@ -460,7 +462,8 @@ def test_int4_within_quantmlas_own_bound(runs):
 def _load_main(model_dir: str) -> None:
     from vllm import LLM
 
-    LLM(model=model_dir, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=2, dtype="bfloat16")
+    LLM(model=model_dir, skip_tokenizer_init=True, max_model_len=256, max_num_seqs=2, dtype="bfloat16",
+        attention_backend="CPU_MLA")  # as _engine_main: the refusals under test, not the AMX guard's
 
 
 @pytest.fixture(scope="module")
