@@ -200,6 +200,9 @@ def test_decode_writer_matches_bulk_writer(cfg):
 def test_token_axis_blocks_must_divide_the_page_and_bytes_are_counted_exactly():
     with pytest.raises(ValueError, match="int4:t32.*divide the page size 16"):
         PagedMLACache.allocate(CacheConfig("int4", "int4:t32"), 64, 32, 4, 1, block_size=16)
+    # A block of one token laid out token-axis but read as a channel format (block 1) everywhere: refused.
+    with pytest.raises(ValueError, match="token-axis block of at least 2 tokens, got int8:t1"):
+        PagedMLACache.allocate(CacheConfig("int8:t1", "int4:32"), 64, 32, 4, 1, block_size=16)
     cache = PagedMLACache.allocate(CacheConfig("int4:t16", "int2:t8", sink=3, recent=5), 64, 32, 4, 2, block_size=16)
     # codes per row, fp16 scale + zero per channel per block of a page
     assert cache.page_bytes == 16 * 32 + 2 * 2 * 64 * 1 + 16 * 8 + 2 * 2 * 32 * 2

@@ -293,6 +293,9 @@ class PagedMLACache:
         for fmt in (config.content, config.rope):
             if fmt.kind not in PAGED_KINDS:
                 raise ValueError(f"the paged cache stores {', '.join(PAGED_KINDS)}, not {fmt}")
+            if fmt.axis == "token" and fmt.group < 2:  # block 1 would read as a channel format everywhere
+                raise ValueError(f"the paged cache needs a token-axis block of at least 2 tokens, got {fmt} (one "
+                                 f"scale and zero per value); use a channel format such as {fmt.kind}")
             if fmt.axis == "token" and block_size % fmt.group:
                 raise ValueError(f"the paged cache keeps a token-axis format's scales per page: {fmt}'s block of "
                                  f"{fmt.group} tokens must divide the page size {block_size}")
