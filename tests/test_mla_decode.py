@@ -603,6 +603,15 @@ def test_kernel_loose_bound_gives_the_exact_bounds_bits():
     loose_bound_matches_exact(mla_decode, ("int4", "int4:32"), 16, 1100, 8192, dc=256, dr=32)
 
 
+def test_kernel_empty_batch():
+    """B = 0 (an engine step with no decodes): empty outputs, whether the split count is given or sized here."""
+    cache, table, seq_lens, slots, _, _ = fill(("int4:32", "int4:16"), 64, 16, [5], page=16)
+    qn, qp = queries(0, 3, 64, 16)
+    for splits in (None, 2):
+        out, lse = mla_decode(qn, qp, cache, table[:0], seq_lens[:0], slots[:0], 0.1, num_splits=splits)
+        assert out.shape == (0, 3, 64) and lse.shape == (0, 3)
+
+
 def test_combine_reads_no_output_of_an_empty_split():
     """A split with lse = -inf wrote no output (its bytes may be anything, NaN here): the combine skips them.
     11 splits: two chunks of COMBINE_CHUNK = 8, empty ones in both; a sequence whose splits are all empty."""

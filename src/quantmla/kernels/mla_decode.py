@@ -690,7 +690,7 @@ def num_splits_for(batch: int, num_heads: int, max_seq_len: int, cfg: KernelConf
     square root of the length: on the H200 at B = 1 the fastest counts were 16 / 32 / 64 at 1 / 4 / 16 K,
     benchmarks/results/decode_kernel_min_split.md), and none shorter than cfg.min_split tokens. The kernel
     applies the same rule to each sequence's own length, within this count."""
-    programs = batch * triton.cdiv(num_heads, cfg.block_h)
+    programs = max(batch * triton.cdiv(num_heads, cfg.block_h), 1)  # an empty batch launches nothing
     want = max(1, round(num_sms * cfg.ctas_per_sm / programs))
     length = max(max_seq_len, 1)
     root = -(-(math.isqrt(length - 1) + 1) // 2)  # ceil(sqrt(length) / 2)
