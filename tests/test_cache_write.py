@@ -146,6 +146,26 @@ def test_fused_writer_minicpm3_dims_and_pages():
     run_pair(("int4", "int4:32"), lens=[0, 5, 130], dc=256, dr=32, page=8, steps=4)
 
 
+def test_fused_writer_reads_strided_tables_lengths_and_slots():
+    """A transposed block table and lengths / slots that are columns of a wider tensor: the same bytes."""
+    g = torch.Generator().manual_seed(0)
+    lens = [0, 4, 9, 20]
+    tables, nb = make_block_tables([L + 1 for L in lens], 8, generator=g)
+    ref = PagedMLACache.allocate(CacheConfig("int4:16", "int4:8", sink=2, recent=3), 64, 16, nb, 4, block_size=8,
+                                 device=DEV, fill=float("nan"))  # fmt: skip
+    tables, lens_t = tables.to(DEV), torch.tensor(lens, device=DEV)
+    slots = torch.arange(4, dtype=torch.int32, device=DEV)
+    for b, L in enumerate(lens):
+        ref.append(b, tables[b], 0, torch.randn(L, 64, generator=g).bfloat16().to(DEV),
+                   torch.randn(L, 16, generator=g).bfloat16().to(DEV))
+    fused = copy.deepcopy(ref)
+    c, r = torch.randn(4, 64, generator=g).bfloat16().to(DEV), torch.randn(4, 16, generator=g).bfloat16().to(DEV)
+    ref.append_decode(slots, tables, lens_t, c, r, checked=False)
+    column = lambda x: torch.stack([x, x * 0], 1)[:, 0]  # noqa: E731
+    append_decode_fused(fused, column(slots), tables.t().contiguous().t(), column(lens_t), c, r)
+    _assert_same(ref, fused, 0)
+
+
 def test_checked_or_no_kernel_runs_the_torch_writer(monkeypatch):
     """checked=True keeps the torch writer's host-side checks; CPU tensors outside the interpreter take it too."""
     cfg = CacheConfig("int4", "int4", sink=2, recent=2)

@@ -612,6 +612,18 @@ def test_kernel_empty_batch():
         assert out.shape == (0, 3, 64) and lse.shape == (0, 3)
 
 
+def test_kernel_reads_strided_tables_lengths_and_slots():
+    """A transposed block table (rows not unit-stride) and lengths / slots that are columns of a wider tensor
+    read the same entries as their contiguous copies."""
+    cache, table, seq_lens, slots, _, _ = fill(("int4:32", "int4:16"), 64, 16, [0, 9, 40], page=8, recent=5)
+    qn, qp = queries(3, 3, 64, 16)
+    strided = (table.t().contiguous().t(), torch.stack([seq_lens, seq_lens * 0], 1)[:, 0],
+               torch.stack([slots, slots * 0], 1)[:, 0])
+    assert strided[0].stride(-1) != 1 and strided[1].stride(-1) != 1
+    check(*mla_decode(qn, qp, cache, *strided, 0.1, num_splits=2),
+          *mla_decode_reference(qn, qp, cache, table, seq_lens, slots, 0.1))
+
+
 def test_combine_reads_no_output_of_an_empty_split():
     """A split with lse = -inf wrote no output (its bytes may be anything, NaN here): the combine skips them.
     11 splits: two chunks of COMBINE_CHUNK = 8, empty ones in both; a sequence whose splits are all empty."""

@@ -256,6 +256,9 @@ def writer_launch(cache: PagedMLACache, slots, block_tables, seq_lens, c, k_pe, 
     from running it, so that `kernels.offline` can compile it for a GPU the machine does not have."""
     c = c if c.stride(-1) == 1 else c.contiguous()
     k_pe = k_pe if k_pe.stride(-1) == 1 else k_pe.contiguous()
+    # The kernel reads entry i of a row as base + i: unit-stride tables, lengths and slots (no copy if already).
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    seq_lens, slots = seq_lens.contiguous(), slots.contiguous()
     c_ptrs, c_const = _path_args(cache.content)
     r_ptrs, r_const = _path_args(cache.rope)
     for t in (*c_ptrs, *r_ptrs, cache.protected_content, cache.protected_rope):

@@ -802,6 +802,10 @@ def mla_decode(
     if (dc, dr) != (cache.kv_lora_rank, cache.rope_dim) or q_pe.shape[:2] != (B, H):
         raise ValueError(f"queries {tuple(q_nope_absorbed.shape)}/{tuple(q_pe.shape)} do not match the cache")
     dev = q_nope_absorbed.device
+    # The kernels read entry i of a row as base + i: a transposed table or strided lengths / slots would be
+    # read at the wrong entries. No copy where they are already unit-stride (CUDA-graph capture is unaffected).
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    seq_lens, slots = seq_lens.contiguous(), None if slots is None else slots.contiguous()
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if B else 0
     kernel = decode_kernel_name(cache, H, dev, batch=B) if config is None else "triton"
