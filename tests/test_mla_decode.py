@@ -612,6 +612,14 @@ def test_kernel_empty_batch():
         assert out.shape == (0, 3, 64) and lse.shape == (0, 3)
 
 
+def test_kernel_refuses_no_splits():
+    """num_splits = 0 launched no program and returned zeros with lse -inf; it is refused instead."""
+    cache, table, seq_lens, slots, _, _ = fill(("int4:32", "int4:16"), 64, 16, [5], page=16)
+    qn, qp = queries(1, 3, 64, 16)
+    with pytest.raises(ValueError, match="num_splits must be >= 1"):
+        mla_decode(qn, qp, cache, table, seq_lens, slots, 0.1, num_splits=0)
+
+
 def test_kernel_reads_strided_tables_lengths_and_slots():
     """A transposed block table (rows not unit-stride) and lengths / slots that are columns of a wider tensor
     read the same entries as their contiguous copies."""

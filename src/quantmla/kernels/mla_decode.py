@@ -815,6 +815,8 @@ def mla_decode(
         return launch(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots, sm_scale, max_seq_len=max_seq_len,
                       out_dtype=out_dtype, num_splits=num_splits, num_sms=_sm_count(dev))  # fmt: skip
     cfg = config or default_config(cache, H)
+    if num_splits is not None and num_splits < 1:  # 0 splits would launch nothing: zeros, lse -inf
+        raise ValueError(f"num_splits must be >= 1 (or None: sized for max_seq_len), got {num_splits}")
     min_split = 0  # a caller's num_splits holds for every sequence
     if num_splits is None:  # sized for max_seq_len; each sequence takes num_splits_for at its own length
         num_splits, min_split = num_splits_for(B, H, max_seq_len, cfg, _sm_count(dev)), cfg.min_split
