@@ -19,6 +19,7 @@ for the transposed operand, and register spills.
 """
 
 import argparse
+import sys
 
 import torch
 import triton
@@ -84,4 +85,6 @@ def main():
 
 if __name__ == "__main__":
     argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_integer_domain.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     main()

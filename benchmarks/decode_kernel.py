@@ -294,6 +294,8 @@ def main():
     ap.add_argument("--kernels", default="triton", help="comma list of triton, cuda, gluon, heads")
     ap.add_argument("--name", default="decode_kernel", help="results file stem")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("decode_kernel.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     kernels = args.kernels.split(",")
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]

@@ -90,6 +90,8 @@ def main():
             sys.exit(f"unknown ablation {n!r}; known: {', '.join(ABLATIONS)}")
 
     import torch
+    if not torch.cuda.is_available():
+        sys.exit("decode_kernel_ablate.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     from decode_kernel import SCALE, bench, build, queries
     from decode_kernel_ab import cuda_source
 

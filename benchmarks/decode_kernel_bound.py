@@ -34,6 +34,8 @@ def main():
     args = ap.parse_args()
 
     import torch
+    if not torch.cuda.is_available():
+        sys.exit("decode_kernel_bound.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     from decode_kernel import SCALE, bench, build, check, ok, queries, run_meta, write_results
 
     from quantmla.kernels import mla_decode_cuda as mdc

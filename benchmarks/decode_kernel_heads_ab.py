@@ -40,6 +40,8 @@ def main():
     args = ap.parse_args()
 
     import torch
+    if not torch.cuda.is_available():
+        sys.exit("decode_kernel_heads_ab.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     from decode_kernel import SCALE, bench, bf16_us, build, check, ok, queries
 
     from quantmla.kernels import mla_decode_many_heads as mh

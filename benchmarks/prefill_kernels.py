@@ -54,4 +54,7 @@ def main(top: int = 22) -> None:
 if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--top", type=int, default=22, help="kernels listed per format")
-    main(ap.parse_args().top)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("prefill_kernels.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    main(args.top)

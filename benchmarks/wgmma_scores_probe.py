@@ -116,6 +116,8 @@ def main():
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--name", default="wgmma_scores_probe", help="results file stem")
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("wgmma_scores_probe.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     torch.empty(1, device="cuda")
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count

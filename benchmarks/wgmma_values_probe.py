@@ -57,6 +57,8 @@ def main():
     ap.add_argument("--tokens", default="16x16384,16x65536,64x65536", help="comma list of BxL")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("wgmma_values_probe.py needs a CUDA GPU (torch.cuda.is_available() is False)")
     torch.empty(1, device="cuda")
     props = torch.cuda.get_device_properties(0)
     sms = props.multi_processor_count
