@@ -76,6 +76,7 @@ def main() -> None:
     result = {"model": model_dir.name, "budgets": a.budgets, "fixed": a.fixed, "date": str(datetime.date.today()), "machine": f"CPU {platform.machine()}",
               "samples": a.samples, "steps": a.steps, "windows": a.windows, "rows": rows}
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "budget.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = ["# Byte budget vs fixed formats", "",
              f"{result['date']}, {result['machine']}; model `{model_dir.name}`; calibration {a.samples} x 512 tokens "

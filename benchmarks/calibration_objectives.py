@@ -59,6 +59,7 @@ if __name__ == "__main__":
             cells += ["-", "-", "-"] if ident is None else [f"{ident:.3e}", f"{best:.3e}", f"{ident / best:.2f}x"]
         lines.append(f"| {r['layer']} | " + " | ".join(cells) + " |")
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(reports, indent=1) + "\n")
     (out / f"{name}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))

@@ -117,6 +117,7 @@ def write(a, model_dir: Path, rtn: float, rtn_served: float, rows: list[dict]) -
               "formats": a.formats, "steps": a.steps, "windows": a.windows, "rtn_kl": rtn, "rtn_kl_served": rtn_served,
               "rows": rows}
     out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "demo_regression.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [f"# `quantmla demo` {a.formats}: KL by calibration variant", "",
              f"{result['date']}, {result['machine']}; model `{model_dir.name}`; calibration {a.steps} steps on "
