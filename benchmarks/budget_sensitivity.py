@@ -18,6 +18,7 @@ import argparse
 import json
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, help="results JSON")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before the minutes of work, not after
     torch.set_num_threads(args.threads)
     md = resolve_model_dir(args.model)
     tok, model = tokenizer_for(md), load_model(md)

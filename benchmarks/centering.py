@@ -118,6 +118,7 @@ def main(argv=None) -> int:
             "device": f"CPU ({platform.machine()}), {a.threads} thread(s)", "model": str(model_dir),
             "command": "python benchmarks/centering.py" + (f" --model {a.model}" if a.model else ""),
             "length": a.length, "windows": a.windows, "scored": a.scored, "cal_windows": a.cal_windows}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{a.out}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     lines = ["# Static centering of the cached paths", "",
              f"{meta['date_utc']}; {meta['device']}; `{meta['command']}`; model `{model_dir.name}`; KL on "

@@ -68,6 +68,7 @@ def main() -> None:
     meta = {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "device": f"CPU ({platform.machine()}), {torch.get_num_threads()} thread(s)", "model": str(model_dir),
             "command": "python benchmarks/kl_tails.py", "length": a.length, "windows": a.windows, "scored": a.scored}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{a.out}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     lines = ["# KL tails per method", "", f"{meta['date_utc']}; {meta['device']}; `{meta['command']}`; model "
              f"`{model_dir.name}`; {a.windows} held-out windows of {a.length} tokens, last {a.scored} scored "

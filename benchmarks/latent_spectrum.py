@@ -59,6 +59,7 @@ def main() -> None:
              "rope": spectrum_stats(store[layer.cache_idx].k_pe)} for layer in layers]
     result = {"model": str(md), "tokens": list(ids.shape), "date": time.strftime("%Y-%m-%d"), "rows": rows}
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     keep = [k for k in KEEP if k < layers[0].kv_lora_rank]
     command = "PYTHONPATH=src python benchmarks/latent_spectrum.py" + (f" --model {args.model}" if args.model else "")

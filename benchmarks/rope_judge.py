@@ -105,6 +105,7 @@ def main() -> None:
             "command": "python benchmarks/rope_judge.py " + " ".join(
                 f"--{k} {v}" for k, v in vars(a).items() if k != "out" and v != ap.get_default(k)),
             "windows": a.windows, "scored": a.scored, "steps": a.steps}
+    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{a.out}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     Path(f"{a.out}.md").write_text(markdown(rows, meta))
     print(markdown(rows, meta))
