@@ -182,7 +182,9 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--steps", type=int, default=50)
     args = ap.parse_args(argv)
-    dev = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
+    if not args.tiny and not torch.cuda.is_available():
+        sys.exit("engine_profile.py needs a CUDA GPU (--tiny: the CPU smoke run)")
+    dev = torch.device("cpu" if args.tiny else "cuda")
     spec = TINY_MODEL if args.tiny else ModelSpec()
     if args.tiny:
         args.query_blocks = "1024,64"

@@ -818,7 +818,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--tiny", action="store_true", help="CPU smoke run: a 2-layer model and small loads")
-    ap.add_argument("--device", default=None, help="default: cuda if available (cpu with --tiny)")
+    ap.add_argument("--device", default=None,
+                    help="default: cuda (cpu with --tiny); without a GPU the full run stops unless this is cpu")
     ap.add_argument("--formats", default=",".join(FORMATS),
                     help=f"headline rows: {', '.join(FORMATS)} or any quantmla CONTENT/ROPE pair")
     ap.add_argument("--requests", type=int)
@@ -896,7 +897,10 @@ def format_list(text: str, window: str) -> list[Format]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     args.command = " ".join(["python", "benchmarks/serving_pressure.py"] + (sys.argv[1:] if argv is None else argv))
-    device = torch.device(args.device or ("cpu" if args.tiny or not torch.cuda.is_available() else "cuda"))
+    if not args.tiny and args.device is None and not torch.cuda.is_available():
+        sys.exit("serving_pressure.py needs a CUDA GPU (--tiny: the CPU smoke run; --device cpu forces the full run "
+                 "onto the CPU)")
+    device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
     threads = torch.get_num_threads()
     if device.type == "cpu":  # tiny ops gain nothing from threads, and spinning OpenMP workers slow them 10-100x
         torch.set_num_threads(1)
