@@ -379,7 +379,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
     ap.add_argument("--data-root", default=None, help="folder of .py sources (default: site-packages)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default=None, help="default: cuda; cpu for the smoke test above")
     ap.add_argument("--seed", type=int, default=0)
     # model
     ap.add_argument("--init-from", default=None,
@@ -443,6 +443,10 @@ def main(argv=None) -> int:
     ap.add_argument("--pack", action="store_true",
                     help="for the device: put everything except the weight shards into bundle.tar.gz")
     args = ap.parse_args(argv)
+    if args.device is None:
+        if not torch.cuda.is_available():
+            sys.exit("train_default_model.py needs a CUDA GPU (--device cpu with small settings: the CPU smoke test)")
+        args.device = "cuda"
 
     os.makedirs(args.out, exist_ok=True)
     _LOG = open(os.path.join(args.out, "train.log"), "w")
