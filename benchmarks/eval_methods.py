@@ -254,6 +254,8 @@ def main(argv=None) -> int:
     if args.merge:
         merge([Path(p) for p in args.merge], Path(args.out))
         return 0
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        sys.exit(f"eval_methods.py --device {args.device} needs a CUDA GPU")
     warnings.filterwarnings("ignore", message=".*past_key_values.*")
     if args.threads:
         torch.set_num_threads(args.threads)

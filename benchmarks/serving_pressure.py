@@ -897,10 +897,10 @@ def format_list(text: str, window: str) -> list[Format]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     args.command = " ".join(["python", "benchmarks/serving_pressure.py"] + (sys.argv[1:] if argv is None else argv))
-    if not args.tiny and args.device is None and not torch.cuda.is_available():
+    device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
+    if device.type == "cuda" and not torch.cuda.is_available():
         sys.exit("serving_pressure.py needs a CUDA GPU (--tiny: the CPU smoke run; --device cpu forces the full run "
                  "onto the CPU)")
-    device = torch.device(args.device or ("cpu" if args.tiny else "cuda"))
     threads = torch.get_num_threads()
     if device.type == "cpu":  # tiny ops gain nothing from threads, and spinning OpenMP workers slow them 10-100x
         torch.set_num_threads(1)

@@ -443,10 +443,9 @@ def main(argv=None) -> int:
     ap.add_argument("--pack", action="store_true",
                     help="for the device: put everything except the weight shards into bundle.tar.gz")
     args = ap.parse_args(argv)
-    if args.device is None:
-        if not torch.cuda.is_available():
-            sys.exit("train_default_model.py needs a CUDA GPU (--device cpu with small settings: the CPU smoke test)")
-        args.device = "cuda"
+    args.device = args.device or "cuda"
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        sys.exit("train_default_model.py needs a CUDA GPU (--device cpu with small settings: the CPU smoke test)")
 
     os.makedirs(args.out, exist_ok=True)
     _LOG = open(os.path.join(args.out, "train.log"), "w")
