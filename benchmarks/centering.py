@@ -116,7 +116,7 @@ def main(argv=None) -> int:
         print({k: v for k, v in row.items() if k != "center_norms"}, flush=True)
     meta = {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "device": f"CPU ({platform.machine()}), {a.threads} thread(s)", "model": str(model_dir),
-            "command": "python benchmarks/centering.py" + (f" --model {a.model}" if a.model else ""),
+            "command": "python benchmarks/centering.py" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out" and v != ap.get_default(k)),
             "length": a.length, "windows": a.windows, "scored": a.scored, "cal_windows": a.cal_windows}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{a.out}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")

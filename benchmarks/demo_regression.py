@@ -80,6 +80,7 @@ def main() -> None:
                    help="indices into VARIANTS to run (default all)")
     p.add_argument("--out", default="benchmarks/results")
     a = p.parse_args()
+    a.command = "python benchmarks/demo_regression.py" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out" and v != p.get_default(k))
     content, rope = a.formats.split("/")
     model_dir = resolve_model_dir(a.model)
     tokenizer = tokenizer_for(model_dir)
@@ -123,7 +124,7 @@ def write(a, model_dir: Path, rtn: float, rtn_served: float, rows: list[dict]) -
              f"{result['date']}, {result['machine']}; model `{model_dir.name}`; calibration {a.steps} steps on "
              f"512-token sequences of the built-in text; KL on {a.windows} held-out windows of 512 tokens (last 128 "
              f"scored), served with sink 4 + recent 128. RTN: KL {rtn:.3e} (eval) / {rtn_served:.3e} (served). "
-             f"Command: `python benchmarks/demo_regression.py --formats {a.formats} --variants {a.variants}`.", "",
+             f"Command: `{a.command}`.", "",
              "| calibration sequences (fit/select/report) | objective's policy | clipping searched | KL (eval) | "
              "KL (served) | formats chosen (layer 0..) |", "|---|---|---|---:|---:|---|"]
     for r in rows:

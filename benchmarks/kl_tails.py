@@ -67,7 +67,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     meta = {"date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
             "device": f"CPU ({platform.machine()}), {torch.get_num_threads()} thread(s)", "model": str(model_dir),
-            "command": "python benchmarks/kl_tails.py", "length": a.length, "windows": a.windows, "scored": a.scored}
+            "command": "python benchmarks/kl_tails.py" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out" and v != ap.get_default(k)), "length": a.length, "windows": a.windows, "scored": a.scored}
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(f"{a.out}.json").write_text(json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     lines = ["# KL tails per method", "", f"{meta['date_utc']}; {meta['device']}; `{meta['command']}`; model "

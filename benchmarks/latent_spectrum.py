@@ -62,7 +62,7 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.with_suffix(".json").write_text(json.dumps(result, indent=1))
     keep = [k for k in KEEP if k < layers[0].kv_lora_rank]
-    command = "PYTHONPATH=src python benchmarks/latent_spectrum.py" + (f" --model {args.model}" if args.model else "")
+    command = "PYTHONPATH=src python benchmarks/latent_spectrum.py" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(args).items() if k != "out" and v != ap.get_default(k))
     lines = [f"# Content-latent spectrum: {md.name}", "",
              f"`{command} --out {args.out}`, {ids.shape[0]} x {ids.shape[1]} tokens of the built-in calibration "
              f"text, {result['date']}, CPU. Energy: share of E[|c|^2] in the leading principal axes.",

@@ -74,6 +74,7 @@ def main() -> None:
     p.add_argument("--queries", type=int, default=64)
     p.add_argument("--out", default="benchmarks/results")
     a = p.parse_args()
+    command = "python benchmarks/rope_token_axis.py" + "".join(f" --{k.replace('_', '-')} {v}" for k, v in vars(a).items() if k != "out" and v != p.get_default(k))
     torch.manual_seed(0)
     model_dir = resolve_model_dir(a.model)
     model = load_model(model_dir)
@@ -86,7 +87,8 @@ def main() -> None:
     theta = getattr(model.config, "rope_parameters", {}).get("rope_theta", 10000.0)
     dr = layers[0].rope_dim
     rotation64 = [64 * theta ** (-2 * j / dr) for j in range(dr // 2)]
-    result = {"model": str(model_dir), "date": str(datetime.date.today()), "machine": f"CPU {platform.machine()}",
+    result = {"command": command,
+              "model": str(model_dir), "date": str(datetime.date.today()), "machine": f"CPU {platform.machine()}",
               "sequences": list(ids.shape), "queries": [int(pos[0]), int(pos[-1]), len(pos)],
               "rotation_per_64_tokens": rotation64, "layers": []}
     for layer in layers:
@@ -127,7 +129,7 @@ def markdown(r: dict) -> str:
              f"Model `{Path(r['model']).name}`, {r['date']}, {r['machine']}; {r['sequences'][0]} x {r['sequences'][1]} "
              f"tokens of the built-in calibration text, queries at {r['queries'][2]} positions "
              f"{r['queries'][0]}-{r['queries'][1]} (each sees keys [4, t - 127) quantized). Command: "
-             "`python benchmarks/rope_token_axis.py`.", "",
+             f"`{r.get('command', 'python benchmarks/rope_token_axis.py')}`.", "",
              "## 1. Per pair: step size of a 64-token block vs one token's channel group, error share", "",
              "Step ratio: mean over blocks of a channel's range over 64 tokens / mean over tokens of the range "
              "over all 64 channels (< 1: the token-axis step is finer). Share: the pair's part of "
