@@ -57,24 +57,20 @@ class PerRequestLongRope(nn.Module):
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor):
         lens = torch.tensor(self.prompt_lens, device=position_ids.device)[:, None]
         use_long = torch.where(position_ids < lens, lens, position_ids + 1) > self.original_max  # [B, T]
-        rows = []
-        for pos, long in zip(position_ids, use_long):
-            # The short factors where the whole call stays within original_max (long positions zeroed, not
-            # used); the long ones by adding a position that crosses it.
-            short = self.rope(x, torch.where(long, 0, pos)[None])
-            crossed = self.rope(x, torch.cat([pos, pos.new_full((1,), self.original_max)])[None])
-            if isinstance(short, tuple):  # (cos, sin); DeepSeek-V2's rotary returns one complex tensor
-                rows.append(tuple(_pick(long, s, c) for s, c in zip(short, crossed)))
-            else:
-                rows.append(_pick(long, short, crossed))
-        if isinstance(rows[0], tuple):
-            return tuple(torch.cat(parts) for parts in zip(*rows))
-        return torch.cat(rows)
+        # Two calls for the whole batch: the short factors where every position stays below original_max (the
+        # long ones zeroed, not used); the long ones by adding to every row a position that crosses it.
+        short = self.rope(x, torch.where(use_long, 0, position_ids))
+        crossed = self.rope(x, torch.cat([position_ids, position_ids.new_full((len(position_ids), 1),
+                                                                             self.original_max)], 1))
+        if isinstance(short, tuple):  # (cos, sin); DeepSeek-V2's rotary returns one complex tensor
+            return tuple(_pick(use_long, s, c) for s, c in zip(short, crossed))
+        return _pick(use_long, short, crossed)
 
 
 def _pick(long: torch.Tensor, short: torch.Tensor, crossed: torch.Tensor) -> torch.Tensor:
-    """Per position (dim 1), crossed's value (its extra last position dropped) where `long`, else short's."""
-    return torch.where(long.view(1, -1, *[1] * (short.dim() - 2)), crossed[:, :-1], short)
+    """Per position ([B, T], dims 0-1), crossed's value (its extra last position dropped) where `long`, else
+    short's."""
+    return torch.where(long.view(*long.shape, *[1] * (short.dim() - 2)), crossed[:, :-1], short)
 
 
 def wrap_longrope(model: nn.Module, max_model_len: int) -> list[tuple[str, PerRequestLongRope]]:
