@@ -280,6 +280,12 @@ def dequantized(cache, tables, ctx):
     return c, k
 
 
+def require_cuda() -> None:
+    """Exit with one line, naming the script run, where there is no CUDA GPU (these scripts time GPU kernels)."""
+    if not torch.cuda.is_available():
+        sys.exit(f"{os.path.basename(sys.argv[0])} needs a CUDA GPU (torch.cuda.is_available() is False)")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
@@ -294,8 +300,7 @@ def main():
     ap.add_argument("--kernels", default="triton", help="comma list of triton, cuda, gluon, heads")
     ap.add_argument("--name", default="decode_kernel", help="results file stem")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("decode_kernel.py needs a CUDA GPU (torch.cuda.is_available() is False)")
+    require_cuda()
     kernels = args.kernels.split(",")
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]

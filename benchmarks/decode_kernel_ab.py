@@ -73,9 +73,9 @@ def main():
     args = ap.parse_args()
 
     import torch
-    if not torch.cuda.is_available():
-        sys.exit("decode_kernel_ab.py needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from decode_kernel import SCALE, bench, bf16_us, build, check, queries
+    from decode_kernel import SCALE, bench, bf16_us, build, check, queries, require_cuda
+
+    require_cuda()
 
     from quantmla.kernels import mla_decode_cuda as mdc
     from quantmla.kernels.mla_decode import mla_decode

@@ -90,9 +90,9 @@ def main():
             sys.exit(f"unknown ablation {n!r}; known: {', '.join(ABLATIONS)}")
 
     import torch
-    if not torch.cuda.is_available():
-        sys.exit("decode_kernel_ablate.py needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from decode_kernel import SCALE, bench, build, queries
+    from decode_kernel import SCALE, bench, build, queries, require_cuda
+
+    require_cuda()
     from decode_kernel_ab import cuda_source
 
     from quantmla.kernels import mla_decode_cuda as mdc

@@ -47,9 +47,9 @@ def main():
     args = ap.parse_args()
 
     import torch
-    if not torch.cuda.is_available():
-        sys.exit("decode_kernel_floor.py needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from decode_kernel import SCALE, bench, build, check, ok, queries, run_meta, write_results
+    from decode_kernel import SCALE, bench, build, check, ok, queries, require_cuda, run_meta, write_results
+
+    require_cuda()
 
     from quantmla.kernels import mla_decode_cuda as mdc
     from quantmla.kernels.mla_decode import mla_decode

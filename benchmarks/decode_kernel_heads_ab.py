@@ -40,9 +40,9 @@ def main():
     args = ap.parse_args()
 
     import torch
-    if not torch.cuda.is_available():
-        sys.exit("decode_kernel_heads_ab.py needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from decode_kernel import SCALE, bench, bf16_us, build, check, ok, queries
+    from decode_kernel import SCALE, bench, bf16_us, build, check, ok, queries, require_cuda
+
+    require_cuda()
 
     from quantmla.kernels import mla_decode_many_heads as mh
 

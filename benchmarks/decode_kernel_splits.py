@@ -35,9 +35,9 @@ def main():
     args = ap.parse_args()
 
     import torch
-    if not torch.cuda.is_available():
-        sys.exit("decode_kernel_splits.py needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from decode_kernel import SCALE, bench, bf16_us, build, check, ok, queries
+    from decode_kernel import SCALE, bench, bf16_us, build, check, ok, queries, require_cuda
+
+    require_cuda()
 
     from quantmla.kernels import mla_decode_cuda as mdc
     from quantmla.kernels.mla_decode import mla_decode
