@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+import torch
 import uvicorn
 
 from quantmla.engine import LLM, RequestOutput, SamplingParams
@@ -297,6 +298,61 @@ def test_text_stream_holds_back_split_utf8_and_stop_prefixes(served):
     deltas = feed(s, ids)
     assert "".join(deltas) == text and not s.stopped
     assert deltas[-2] == "" and deltas[-1] == "= 1"
+
+
+class CountingTokenizer:
+    """A tokenizer that records the length of every id list it decodes."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def decode(self, ids, **kw):
+        self.lengths.append(len(ids))
+        return self.tokenizer.decode(ids, **kw)
+
+
+def test_text_stream_matches_the_full_decode_in_any_chunking(served):
+    tok = served.llm.tokenizer
+    gen = torch.Generator().manual_seed(0)
+    # Random ids: byte tokens that split or break UTF-8 characters included, special tokens too.
+    ids = torch.randint(0, len(tok), (600,), generator=gen).tolist()
+    ids += tok.encode("x = 'é€😀' \n" * 20, add_special_tokens=False)
+    full = tok.decode(ids, skip_special_tokens=True)
+    for trial in range(3):
+        s, got, k = TextStream(tok), [], 0
+        while k < len(ids):
+            n = int(torch.randint(1, 9, (1,), generator=gen)) if trial else 1
+            got.append(s.push(ids[k : k + n], final=k + n >= len(ids)))
+            k += n
+        assert "".join(got) == full
+
+
+def test_text_stream_decodes_a_short_window_per_token(served):
+    """A long output costs the same per token at its end as at its start (it was re-decoded whole per chunk)."""
+    tok = CountingTokenizer(served.llm.tokenizer)
+    ids = served.llm.tokenizer.encode("def f(a, b):\n    return a + b\n\n" * 150, add_special_tokens=False)
+    assert len(ids) > 1000
+    s = TextStream(tok, stop=("never",))
+    text = "".join(s.push([t], final=False) for t in ids) + s.push([], final=True)
+    assert text == served.llm.tokenizer.decode(ids, skip_special_tokens=True)
+    assert max(tok.lengths) <= 8 and len(tok.lengths) <= 2 * len(ids) + 2
+
+
+def test_text_stream_keeps_spaces_a_decoder_strips_at_the_start():
+    """A SentencePiece-style decoder drops the first token's leading space: only at the text's start."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["\u2581the", "\u2581cat", "\u2581sat", "\u2581on", "\u2581mat", "\u2581", "s", "."]
+    core = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="."))
+    core.pre_tokenizer = pre_tokenizers.Metaspace()
+    core.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=core)
+    ids = [0, 1, 6, 2, 3, 0, 4, 7, 5, 1]
+    full = tok.decode(ids)
+    assert full.startswith("the cats sat")  # the first space is stripped, the others are not
+    s = TextStream(tok)
+    assert "".join(s.push([t], final=i == len(ids) - 1) for i, t in enumerate(ids)) == full
 
 
 # --------------------------------------------------------------------------------------------- bad requests

@@ -235,30 +235,53 @@ class EngineLoop:
 class TextStream:
     """Incremental detokenization of one output, with stop strings.
 
-    `push(new_ids, final)` returns the text to emit now: the full token list is decoded again and only the
-    new suffix goes out. Held back until more tokens come (or the output ends): a tail ending in U+FFFD (a
-    byte-level tokenizer split a UTF-8 character) and a tail that could be the start of a stop string. When a
-    stop string appears, the text ends just before it and `stopped` turns True. The concatenation of what
-    `push` returns is the same whatever the chunking, so streamed and non-streamed outputs agree.
+    `push(new_ids, final)` returns the text to emit now. Each token is decoded in a short window that starts
+    at the previous commit point (as vLLM does): the window's text minus the text of its older tokens is the
+    new text, so a token costs the same at 30 K tokens as at 3 and a decoder that strips a leading space
+    strips it from the window's context, not from the new text. Held back until more tokens come (or the
+    output ends): a window ending in U+FFFD (a byte-level tokenizer split a UTF-8 character) and a tail that
+    could be the start of a stop string. When a stop string appears, the text ends just before it and
+    `stopped` turns True. Tokens are committed one at a time, so the concatenation of what `push` returns is
+    the same whatever the chunking, and streamed and non-streamed outputs agree.
     """
 
     tokenizer: object
     stop: tuple[str, ...] = ()
     token_ids: list[int] = field(default_factory=list)
-    sent: int = 0  # characters of the decoded text already returned
+    text: str = ""  # the committed text: the decode of token_ids[:read]
+    prefix: int = 0  # where the decode window starts (the commit point before the last one)
+    read: int = 0  # tokens whose text is in `text`
+    sent: int = 0  # characters of `text` already returned
     stopped: bool = False
 
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
+
     def push(self, new_ids: list[int], final: bool) -> str:
-        self.token_ids.extend(new_ids)
-        text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if self.stopped:
+            return ""
+        old_len = len(self.text)
+        for k, t in enumerate(new_ids):
+            self.token_ids.append(t)
+            window = self._decode(self.token_ids[self.prefix:])
+            if window.endswith("\ufffd") and not (final and k == len(new_ids) - 1):
+                continue  # a character split over tokens: wait for its other bytes
+            self.text += window[len(self._decode(self.token_ids[self.prefix:self.read])):]
+            self.prefix, self.read = self.read, len(self.token_ids)
+        if final and self.read < len(self.token_ids):  # final with no new token: flush what was held back
+            window = self._decode(self.token_ids[self.prefix:])
+            self.text += window[len(self._decode(self.token_ids[self.prefix:self.read])):]
+            self.read = len(self.token_ids)
+        text, longest = self.text, max(map(len, self.stop), default=0)
+        # A stop string not found before ends in the new text: search from where it could start.
+        hits = [i for i in (text.find(s, max(0, old_len - longest + 1)) for s in self.stop) if i >= 0]
         if hits:
             end, self.stopped = min(hits), True
         elif final:
             end = len(text)
         else:
-            end = len(text.rstrip("\ufffd"))
-            end -= max((k for s in self.stop for k in range(1, len(s)) if text[:end].endswith(s[:k])), default=0)
+            end = len(text) - max((k for s in self.stop for k in range(1, len(s)) if text.endswith(s[:k])),
+                                  default=0)
         delta = text[self.sent : end] if end > self.sent else ""
         self.sent = max(self.sent, end)
         return delta
