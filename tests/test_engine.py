@@ -506,6 +506,10 @@ def test_close_gives_the_model_back():
         before = model(ids).logits
     first = LLM(model, content="int4", rope="int4", sink=SINK, recent=RECENT, max_num_seqs=2, kv_cache_bytes=1 << 20)
     out = first.generate([ids[0].tolist()], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids
+    with pytest.raises(ValueError, match="already served by another LLM.*close"):  # not at its first step
+        LLM(model, max_num_seqs=2, kv_cache_bytes=1 << 20)
+    # the refused one changed nothing: the first still serves
+    assert first.generate([ids[0].tolist()], SamplingParams(max_tokens=4, ignore_eos=True))[0].token_ids == out
     first.close()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)

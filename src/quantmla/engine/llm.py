@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from quantmla.config import CacheConfig
+from quantmla.engine.attention import PagedAttention
 from quantmla.engine.block_manager import BlockManager, PoolLayout
 from quantmla.engine.model_runner import ModelRunner, storage_dtype
 from quantmla.engine.sampler import SamplingParams, sample
@@ -127,6 +128,9 @@ class LLM:
         if max_model_len is not None and max_model_len < 1:
             raise ValueError(f"max_model_len must be >= 1 (or None: the model's limit), got {max_model_len}")
         if isinstance(model, nn.Module):
+            if any(isinstance(m, PagedAttention) for m in model.modules()):
+                raise ValueError("this model is already served by another LLM (its attention modules are that "
+                                 "LLM's); call close() on it first, or pass another copy of the model")
             section, self.model_name = None, getattr(model.config, "name_or_path", "") or type(model).__name__
             self.tokenizer, model = tokenizer, model.to(device)
         else:
