@@ -606,6 +606,26 @@ def test_decode_kernel_report(monkeypatch):
 
     picks = iter([["cuda", "cuda"], ["cuda", "triton"]])
     monkeypatch.setattr(ModelRunner, "decode_kernels", lambda self: next(picks))
-    model = tiny_model("deepseek_v3")
-    assert LLM(model, max_num_seqs=2, kv_cache_bytes=1 << 20).stats()["decode_kernel"] == "cuda"
-    assert LLM(model, max_num_seqs=2, kv_cache_bytes=1 << 20).stats()["decode_kernel"] == "cuda | triton"
+    assert LLM(tiny_model("deepseek_v3"), max_num_seqs=2, kv_cache_bytes=1 << 20).stats()["decode_kernel"] == "cuda"
+    assert (LLM(tiny_model("deepseek_v3"), max_num_seqs=2, kv_cache_bytes=1 << 20).stats()["decode_kernel"]
+            == "cuda | triton")
+
+
+def test_gpu_decode_falls_back_where_the_kernels_cannot_run():
+    """On a GPU a layer whose cache the Triton kernel cannot run (non-power-of-two dims or groups, tiles under
+    16) decodes with the torch reference instead of failing at its first step; the reason names the dims."""
+    from quantmla.cache.paged import PagedMLACache
+    from quantmla.engine.model_runner import layer_kernel
+    from quantmla.kernels.mla_decode import unsupported_reason
+
+    def cache(dc, dr, block=64, content="int4", rope="int4"):
+        return PagedMLACache.allocate(CacheConfig(content, rope).fit(dc, dr), dc, dr, 2, 1, block, "meta")
+
+    gpu, cpu = torch.device("cuda"), torch.device("cpu")
+    for ok in (cache(512, 64), cache(256, 32), cache(512, 64, content="bf16", rope="bf16"), cache(512, 64, 16)):
+        assert unsupported_reason(ok) is None and layer_kernel(ok, gpu) == "auto"
+    odd = cache(384 + 64, 64)
+    assert "power-of-two" in unsupported_reason(odd) and "448" in unsupported_reason(odd)
+    assert layer_kernel(odd, gpu) == "reference" and layer_kernel(odd, cpu) == "auto"
+    assert "power-of-two" in unsupported_reason(cache(512, 48))
+    assert "16 tokens" in unsupported_reason(cache(512, 64, block=8))

@@ -22,6 +22,7 @@ from quantmla.cache.paged import PagedMLACache
 from quantmla.config import CacheConfig
 from quantmla.engine.attention import Decode, PagedAttention, Prefill, StepContext
 from quantmla.engine.sequence import Sequence
+from quantmla.kernels.mla_decode import unsupported_reason
 from quantmla.models.adapters import MLALayer, attention_module, register_module_attention
 
 log = logging.getLogger("quantmla.engine")
@@ -87,6 +88,14 @@ def wrap_longrope(model: nn.Module, max_model_len: int) -> list[tuple[str, PerRe
     return wrapped
 
 
+def layer_kernel(cache: PagedMLACache, device: torch.device) -> str:
+    """decode_step's kernel for a layer's cache: "auto" (the GPU kernels on CUDA, the torch reference
+    elsewhere), or "reference" on CUDA where the Triton kernel cannot run the cache (`unsupported_reason`)."""
+    if device.type == "cuda" and unsupported_reason(cache) is not None:
+        return "reference"
+    return "auto"
+
+
 class ModelRunner:
     def __init__(self, model: nn.Module, layers: list[MLALayer], config: CacheConfig, num_blocks: int,
                  max_num_seqs: int, block_size: int, max_model_len: int, prefill_chunk: int,
@@ -101,12 +110,19 @@ class ModelRunner:
         self.step = StepContext()
         store_dtype = storage_dtype(next(model.parameters()).dtype, self.device)
         self.caches: list[PagedMLACache] = []
+        self.kernels: list[str] = []  # per layer, decode_step's kernel argument
+        fallbacks = []
         for layer in layers:
             cache = PagedMLACache.allocate(config.at(layer.cache_idx).fit(layer.kv_lora_rank, layer.rope_dim),
                                            layer.kv_lora_rank, layer.rope_dim, num_blocks + 1, max_num_seqs + 1,
                                            block_size, self.device, dtype=store_dtype)  # fmt: skip
-            model.set_submodule(layer.module, PagedAttention(attention_module(model, layer), layer, cache, self.step))
+            kernel = layer_kernel(cache, self.device)
+            if kernel == "reference" and self.device.type == "cuda":
+                fallbacks.append(f"{layer.module}: {unsupported_reason(cache)}")
+            model.set_submodule(layer.module, PagedAttention(attention_module(model, layer), layer, cache, self.step,
+                                                             kernel))  # fmt: skip
             self.caches.append(cache)
+            self.kernels.append(kernel)
         self._attn_implementation = model.config._attn_implementation
         model.config._attn_implementation = ATTENTION_NAME
         self.ropes = wrap_longrope(model, max_model_len)
@@ -115,21 +131,27 @@ class ModelRunner:
                                       device=self.device)  # fmt: skip
         self._slot_len = [0] * (max_num_seqs + 1)
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        if cuda_graphs and self.device.type == "cuda" and self.ropes:  # its factors are chosen on the host
+        if fallbacks:  # the reference reads sequence lengths on the host: no graphs either
+            log.warning("the GPU decode kernels cannot run %d layer(s) (%s): they decode with the torch reference, "
+                        "eagerly and slowly", len(fallbacks), fallbacks[0])
+        elif cuda_graphs and self.device.type == "cuda" and self.ropes:  # its factors are chosen on the host
             log.warning("decode runs eagerly: longrope switches factors by position, which a graph cannot capture")
         elif cuda_graphs and self.device.type == "cuda":
             self._capture(graph_batch_sizes(max_num_seqs))
 
     def decode_kernels(self) -> list[str]:
         """Per MLA layer, the kernel a decode step runs: on a GPU `mla_decode`'s choice ("cuda", "heads", "triton"
-        or "gluon", `decode_kernel_name`), or where that depends on the batch size, e.g. "cuda (batch <= 2) /
-        triton"; on the CPU "reference" (the torch oracle)."""
+        or "gluon", `decode_kernel_name`; "reference" where none can run the cache), or where that depends on the
+        batch size, e.g. "cuda (batch <= 2) / triton"; on the CPU "reference" (the torch oracle)."""
         if self.device.type != "cuda":
             return ["reference"] * len(self.caches)
         from quantmla.kernels.mla_decode_cuda import auto_cuda_max_batch, decode_kernel_name
 
         names = []
-        for c, layer in zip(self.caches, self.layers):
+        for c, layer, kernel in zip(self.caches, self.layers, self.kernels):
+            if kernel == "reference":
+                names.append(kernel)
+                continue
             one, most = (decode_kernel_name(c, layer.num_heads, self.device, batch=b) for b in (1, self.max_num_seqs))
             limit = auto_cuda_max_batch(layer.num_heads, many_heads=most == "heads")
             names.append(one if one == most else f"{one} (batch <= {limit}) / {most}")

@@ -657,6 +657,20 @@ def _path_args(path: PagedPath) -> tuple[list[torch.Tensor], tuple[int, int, int
     return [codes, scale, zero], (KIND_CODE[fmt.kind], fmt.bits, group, path.scale is not None)
 
 
+def unsupported_reason(cache: PagedMLACache) -> str | None:
+    """Why the Triton decode kernel (and the fused cache writer, which shares its layout code) cannot run this
+    cache on a GPU, or None: both need power-of-two dims and groups, and tensor-core tiles of at least 16
+    tokens (the default tile and the page) and 16 channels per path."""
+    for name, path in (("content", cache.content), ("rope", cache.rope)):
+        group = _group(path)
+        if path.dim & (path.dim - 1) or group & (group - 1):
+            return f"needs power-of-two dims and groups; the {name} path has dim {path.dim}, group {group}"
+    if min(math.gcd(KernelConfig.block_n, cache.block_size), cache.content.dim, cache.rope.dim) < 16:
+        return (f"needs tiles of at least 16 tokens and channels; page {cache.block_size}, dims "
+                f"{cache.content.dim}/{cache.rope.dim}")
+    return None
+
+
 def _group(path: PagedPath) -> int:
     """Channels per group as the kernel lays out the codes (token-axis: the whole path as one group)."""
     return path.dim if path.fmt.axis == "token" else path.fmt.group or path.dim
