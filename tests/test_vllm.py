@@ -506,20 +506,63 @@ def test_amx_backend_refuses_a_quantized_cache(monkeypatch):
     """On CPUs with AMX vLLM runs MLA models with its AMX backend, not CPU_MLA: the plugin's guard in that slot
     refuses a quantized cache (it was served in BF16 unnoticed) and names --attention-backend CPU_MLA; this
     CPU may have no AMX, so the guard is built directly."""
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend
     from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
-    from quantmla.integrations.vllm import cpu, register
+    from quantmla.integrations.vllm import guards, register
 
     register()
     try:
-        assert AttentionBackendEnum.AMX_MLA.get_class() is cpu.AMXGuardBackend
+        assert AttentionBackendEnum.AMX_MLA.get_class() is guards.AMX_MLA
     finally:
         for backend in (AttentionBackendEnum.CPU_MLA, AttentionBackendEnum.CPU_ATTN, AttentionBackendEnum.AMX_MLA):
             backend.clear_override()
+    assert issubclass(guards.AMX_MLA, AMXMLABackend) and guards.AMX_MLA.get_name() == AMXMLABackend.get_name()
     monkeypatch.setenv(settings.ENV, "int4,int4")
-    with pytest.raises(ValueError, match="int4,int4 asks for quantmla's cache, but vLLM picked its AMX MLA backend.*"
+    with pytest.raises(ValueError, match="int4,int4 asks for quantmla's cache, but vLLM picked its AMX_MLA backend.*"
                                          "--attention-backend CPU_MLA"):
-        cpu.AMXGuardBackend.get_impl_cls()(8, 576, 0.1, 1, None, None, "auto", None, "decoder", None)
+        guards.AMX_MLA.get_impl_cls()(8, 576, 0.1, 1, None, None, "auto", None, "decoder", None)
+
+
+@needs_vllm
+def test_cuda_mla_backends_other_than_triton_refuse_a_quantized_cache(monkeypatch):
+    """On CUDA vLLM picks FlashMLA, FlashInfer or CUTLASS MLA unless told TRITON_MLA, the one slot the plugin
+    fills: each of those slots gets a guard that refuses a quantized cache (it served vLLM's BF16 cache
+    unnoticed) and names --attention-backend TRITON_MLA; unasked, it is vLLM's backend unchanged."""
+    import pickle
+
+    from vllm.platforms import current_platform
+    from vllm.v1.attention.backends.mla.flashmla import FlashMLABackend, FlashMLAImpl
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
+
+    from quantmla.integrations.vllm import guards, register
+
+    names = guards.cuda_guarded()
+    assert {"FLASHMLA", "FLASHINFER_MLA", "CUTLASS_MLA", "FLASH_ATTN_MLA"} <= set(names)
+    assert not {"TRITON_MLA", "CPU_MLA", "AMX_MLA"} & set(names)
+    monkeypatch.setattr(type(current_platform), "is_cpu", lambda self: False)
+    monkeypatch.setattr(type(current_platform), "is_cuda", lambda self: True)
+    register()
+    try:
+        assert AttentionBackendEnum.FLASHMLA.get_path() == "quantmla.integrations.vllm.guards.FLASHMLA"
+        assert AttentionBackendEnum.TRITON_MLA.get_path().endswith("cuda.QuantMLATritonBackend")
+        assert all(AttentionBackendEnum[n].get_path().endswith(f"guards.{n}") for n in names)
+    finally:
+        for n in [*names, "TRITON_MLA"]:
+            AttentionBackendEnum[n].clear_override()
+    guard = guards.FLASHMLA  # built from vLLM's own class, whatever the registry holds
+    assert issubclass(guard, FlashMLABackend) and issubclass(guard.get_impl_cls(), FlashMLAImpl)
+    assert pickle.loads(pickle.dumps(guard)) is guard
+    with pytest.raises(AttributeError):
+        guards.NOT_A_BACKEND
+    monkeypatch.setenv(settings.ENV, "int4,int4")
+    with pytest.raises(ValueError, match="int4,int4 asks for quantmla's cache, but vLLM picked its FLASHMLA backend.*"
+                                         "--attention-backend TRITON_MLA"):
+        guard.get_impl_cls()(16, 576, 0.1, 1, None, None, "auto", None, "decoder", None)
+    monkeypatch.setenv(settings.ENV, "bf16")
+    with pytest.raises(Exception) as unasked:  # vLLM's own init, which needs a GPU here
+        guard.get_impl_cls()(16, 576, 0.1, 1, None, None, "auto", None, "decoder", None)
+    assert "quantmla" not in str(unasked.value)
 
 
 @needs_vllm

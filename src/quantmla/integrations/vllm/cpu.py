@@ -1,16 +1,15 @@
 """The CPU backend vLLM loads: vLLM's CPU_MLA (its prefill, its head size: 576 only) with quantmla's cache
-and decode (`backend.QuantMLAImplMixin`), and guards in the CPU_ATTN slot (non-MLA models) and the AMX_MLA
-slot (vLLM's MLA backend on CPUs with AMX, which the plugin does not replace)."""
+and decode (`backend.QuantMLAImplMixin`), and a guard in the CPU_ATTN slot (non-MLA models); the AMX_MLA
+slot's guard is `guards.AMX_MLA`."""
 
 from __future__ import annotations
 
-from vllm.config import get_current_vllm_config_or_none
 from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend, CPUAttentionBackendImpl
-from vllm.v1.attention.backends.mla.amx_mla import AMXMLABackend, AMXMLAImpl
 from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend, CPUMLAImpl
 
 from quantmla.integrations.vllm import settings
 from quantmla.integrations.vllm.backend import QuantMLABackendMixin, QuantMLAImplMixin
+from quantmla.integrations.vllm.guards import refuse_if_asked
 
 
 class QuantMLACPUImpl(QuantMLAImplMixin, CPUMLAImpl):
@@ -34,23 +33,12 @@ class QuantMLACPUBackend(QuantMLABackendMixin, CPUMLABackend):
         return QuantMLACPUImpl
 
 
-def _refuse_if_asked(but: str) -> None:
-    """Raise ValueError if QUANTMLA_VLLM_CACHE or the checkpoint's section asks for quantmla's cache, which the
-    backend being built does not give: `but` says why ({model} is the model's name)."""
-    vllm_config = get_current_vllm_config_or_none()
-    model_config = vllm_config.model_config if vllm_config else None
-    asked = settings.quantization_asked(model_config.hf_config if model_config else None)
-    if asked:
-        model = model_config.model if model_config else "this model"
-        raise ValueError(f"{asked} asks for quantmla's cache, but " + but.format(model=model))
-
-
 class _NonMLAGuardImpl(CPUAttentionBackendImpl):
     def __init__(self, *args, **kwargs):
-        _refuse_if_asked("vLLM runs {model} with ordinary attention: it does not use MLA (multi-head latent "
-                         "attention): quantmla only quantizes MLA caches. (vLLM's MiniCPM3 is such a model: it "
-                         "expands the latent into per-head keys and values.) Serve it with `quantmla serve`, or set "
-                         f"{settings.ENV}=bf16 to run it unquantized.")
+        refuse_if_asked("vLLM runs {model} with ordinary attention: it does not use MLA (multi-head latent "
+                        "attention): quantmla only quantizes MLA caches. (vLLM's MiniCPM3 is such a model: it "
+                        "expands the latent into per-head keys and values.) Serve it with `quantmla serve`, or set "
+                        f"{settings.ENV}=bf16 to run it unquantized.")
         super().__init__(*args, **kwargs)
 
 
@@ -61,20 +49,3 @@ class NonMLAGuardBackend(CPUAttentionBackend):
     @staticmethod
     def get_impl_cls():
         return _NonMLAGuardImpl
-
-
-class _AMXGuardImpl(AMXMLAImpl):
-    def __init__(self, *args, **kwargs):
-        _refuse_if_asked("vLLM picked its AMX MLA backend for {model} (this CPU has AMX), which quantmla does not "
-                         "replace: pass --attention-backend CPU_MLA to get quantmla's backend, or set "
-                         f"{settings.ENV}=bf16 to run it unquantized.")
-        super().__init__(*args, **kwargs)
-
-
-class AMXGuardBackend(AMXMLABackend):
-    """vLLM's AMX MLA backend (what vLLM picks for MLA on CPUs with AMX unless told CPU_MLA), unchanged, except
-    that it refuses to start when quantmla was asked for, instead of silently serving vLLM's BF16 cache."""
-
-    @staticmethod
-    def get_impl_cls():
-        return _AMXGuardImpl
