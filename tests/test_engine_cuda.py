@@ -147,3 +147,29 @@ def test_a_cache_the_kernels_cannot_run_decodes_with_the_reference():
     got = [o.token_ids for o in gpu.generate(ids, params)]
     agree = sum(x == y for g, e in zip(got, want) for x, y in zip(g, e)) / sum(map(len, want))
     assert agree > 0.9, (got, want)
+
+
+def test_longrope_model_decodes_eagerly_with_per_request_factors():
+    """A MiniCPM3 whose longrope switches factors past 64 tokens decodes eagerly on the GPU (a graph cannot
+    capture the host's choice of factors) with the GPU kernels, and gives the CPU engine's greedy tokens, which
+    tests/test_engine.py checks against generate (fp32 model both; near-ties may flip a late token)."""
+    from quantmla.models.adapters import attention_module, describe, query_weight
+
+    def model():
+        rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=64, factor=8.0,
+                    short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0 + 0.5 * i for i in range(8)])
+        m = tiny_model("minicpm3", qk_rope_head_dim=16, rope_parameters=rope)
+        with torch.no_grad():  # sharper attention, so that the rotary's factors show in the greedy tokens
+            for layer in describe(m):
+                query_weight(attention_module(m, layer), layer).weight.mul_(8)
+        return m
+
+    ids = [[(5 * i) % 120 + 3 for i in range(n)] for n in (5, 50, 80)]
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    kw = dict(content="bf16", rope="bf16", block_size=16, max_num_seqs=3, prefill_chunk=16, max_model_len=128)
+    want = [o.token_ids for o in LLM(model(), device="cpu", **kw).generate(ids, params)]
+    gpu = LLM(model(), device="cuda", **kw)
+    assert "reference" not in gpu.runner.decode_kernels() and not gpu.stats()["cuda_graphs"]
+    got = [o.token_ids for o in gpu.generate(ids, params)]
+    agree = sum(x == y for g, e in zip(got, want) for x, y in zip(g, e)) / sum(map(len, want))
+    assert agree > 0.8, (got, want)
