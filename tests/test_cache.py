@@ -323,6 +323,24 @@ def test_non_finite_inputs_raise(bad):
         cache.update(torch.randn(1, 1, 3, DC), k, 0)
 
 
+@pytest.mark.parametrize("prefilled", [0, 3])
+def test_a_refused_update_stores_nothing_on_either_path(prefilled):
+    """A NaN in k_pe is refused after the content path had stored its tokens: the content path ran one call
+    ahead, so get_seq_length counted a token the rope path lacked and the next call returned histories of
+    different lengths."""
+    cache = QuantMLACache(CacheConfig("int4:8", "int4:8", sink=0, recent=0))
+    c, k = torch.randn(1, 1, 5, DC), torch.randn(1, 1, 5, DR)
+    if prefilled:
+        cache.update(c[..., :prefilled, :], k[..., :prefilled, :], 0)
+    bad = k[..., prefilled:prefilled + 1, :].clone()
+    bad[..., 0] = float("nan")
+    with pytest.raises(ValueError, match="layer 0 rope: it holds 1 non-finite"):
+        cache.update(c[..., prefilled:prefilled + 1, :], bad, 0)
+    assert cache.get_seq_length() == prefilled
+    got_c, got_k = cache.update(c[..., prefilled:, :], k[..., prefilled:, :], 0)
+    assert got_c.shape[-2] == got_k.shape[-2] == 5
+
+
 def test_layer_index_beyond_num_layers_raises():
     with pytest.raises(ValueError, match="built for 2 layers but got layer_idx=3"):
         QuantMLACache(num_layers=2).update(torch.randn(1, 1, 1, DC), torch.randn(1, 1, 1, DR), 3)

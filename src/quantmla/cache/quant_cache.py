@@ -111,14 +111,20 @@ class PathStore:
     def __len__(self) -> int:
         return self.sink.shape[-2] + self.n_body + self.staging.shape[-2] + self.recent.shape[-2]
 
-    def append(self, x: torch.Tensor, config: CacheConfig) -> torch.Tensor:
-        """Add tokens x [B,1,n,D]; quantize whatever leaves the window; return the whole history [B,1,T,D]."""
+    def check(self, x: torch.Tensor) -> None:
+        """Raise, changing nothing, if `append(x)` would refuse x (another batch size; NaN/Inf where quantized)."""
         if len(self) and x.shape[0] != self.sink.shape[0]:
             raise ValueError(f"{self.what}: this cache holds {self.sink.shape[0]} sequence(s), got a batch of "
                              f"{x.shape[0]}; use one cache per batch (or its batch_repeat_interleave / "
                              "batch_select_indices)")
         if self.fmt.kind != "bf16":
             check_finite(x, self.what)  # fail at the call that brought the NaN, not when it leaves the window
+
+    def append(self, x: torch.Tensor, config: CacheConfig, checked: bool = False) -> torch.Tensor:
+        """Add tokens x [B,1,n,D]; quantize whatever leaves the window; return the whole history [B,1,T,D].
+        checked=True: the caller has run `check(x)` already."""
+        if not checked:
+            self.check(x)
         length = len(self) + x.shape[-2]
         take = min(x.shape[-2], config.sink - self.sink.shape[-2])
         if take > 0:
@@ -230,7 +236,12 @@ class QuantMLALayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_shapes(key_states, value_states)
-        return self.content.append(key_states, self.config), self.rope.append(value_states, self.config)
+        # Both paths are checked before either stores: a refused call (NaN in k_pe) used to leave the content
+        # path one call ahead of the rope path, so later calls returned histories of different lengths.
+        self.content.check(key_states)
+        self.rope.check(value_states)
+        return (self.content.append(key_states, self.config, checked=True),
+                self.rope.append(value_states, self.config, checked=True))
 
     def get_seq_length(self) -> int:
         return len(self.content) if self.is_initialized else 0
