@@ -337,3 +337,16 @@ def test_damaged_weights_and_tokenizer_files_are_one_line_errors(tmp_path):
         (src / "tokenizer.json").write_text(text)
         with pytest.raises(ValueError, match=f"could not read the tokenizer files in {src}"):
             tokenizer_for(src)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("rope_dim", [8, 32])
+def test_tiny_models_take_another_rope_dim(family, rope_dim):
+    """`tiny_model(family, qk_rope_head_dim=...)` builds a model that runs and caches k_pe of that width
+    (LongCat's fixed head_dim, its rotary width, failed every rope dim but 16 in the forward)."""
+    from transformers import DynamicCache
+
+    model = tiny_model(family, qk_rope_head_dim=rope_dim)
+    cache = DynamicCache()
+    model(torch.randint(0, 128, (1, 5)), past_key_values=cache)
+    assert cache.layers[0].values.shape[-1] == rope_dim

@@ -46,7 +46,12 @@ def tiny_config(family: str, **overrides):
     if family not in TINY_FAMILIES:
         raise ValueError(f"no tiny model for {family!r}; known: {', '.join(TINY_FAMILIES)}")
     model_type, kw = TINY_FAMILIES[family]
-    return AutoConfig.for_model(model_type, **{**kw, **overrides})
+    kw = {**kw, **overrides}
+    if model_type == "longcat_flash" and "head_dim" not in overrides:
+        # LongCat's rotary embedding takes its width from head_dim (its checkpoints set it to qk_rope_head_dim):
+        # a fixed head_dim made every other qk_rope_head_dim fail in the forward with a shape error.
+        kw["head_dim"] = kw["qk_rope_head_dim"]
+    return AutoConfig.for_model(model_type, **kw)
 
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
