@@ -274,6 +274,22 @@ def test_a_crop_through_a_block_changes_nothing():
     assert all(torch.equal(a, b) for layer, want in zip(cache.layers, before) for a, b in zip(layer.tensors(), want))
 
 
+def test_assisted_decoding_with_a_token_axis_format_says_what_it_needs():
+    """Prompt-lookup decoding crops rejected draft tokens; with a token-axis format and a window shorter than
+    the draft the crop reaches a quantized block. The error named only the block, not assisted decoding or
+    the way out; a window of at least the draft length runs."""
+    model = _model("deepseek_v3")
+    ids = _ids(1, 6).repeat(1, 4)  # repeats, so that the lookup drafts tokens the model rejects
+    gen = dict(max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=8)
+    with torch.no_grad():
+        cache = QuantMLACache(CacheConfig("int8:8", "int8:t4", sink=1, recent=2))
+        with pytest.raises(ValueError, match="cannot crop .* assisted or speculative decoding .* keep `recent` at "
+                                             "least the number of draft tokens"):
+            model.generate(ids, **gen, **_kw(model, cache))
+        cache = QuantMLACache(CacheConfig("int8:8", "int8:t4", sink=1, recent=8))
+        assert model.generate(ids, **gen, **_kw(model, cache)).shape[1] == ids.shape[1] + 20
+
+
 def test_beam_search_matches_dynamic_cache_in_bf16():
     # Beam search goes through batch_repeat_interleave and reorder_cache.
     model = _model("longcat_flash")

@@ -37,7 +37,9 @@ The same keyword works for `model(ids, ...)`. Which name a model takes: `"cache"
 inspect.signature(model.forward).parameters`. `crop` removes tokens from the end, but tokens quantized when
 they left the window stay quantized (later appends refill the window before anything more is quantized), so
 `is_croppable` is False: assisted / speculative decoding runs, but tokens that rejected draft tokens pushed out
-of the window stay quantized.
+of the window stay quantized. A token-axis format cannot give back part of a quantized block, so a crop that
+reaches into its body raises: with such a format, assisted decoding needs `recent` of at least the number of
+draft tokens (rejected drafts are then cut from the window only).
 
 Padding: the cache does not see the attention mask, so in a left-padded batch the pads are tokens to it: they
 fill the sink and shift token-axis blocks, and a padded row is then not stored as it would be alone. With
@@ -165,7 +167,9 @@ class PathStore:
         cut = min(max(n - self.recent.shape[-2] - self.staging.shape[-2], 0), self.n_body)
         if cut % self.block:
             raise ValueError(f"{self.what}: cannot crop {cut} quantized tokens out of {self.fmt}'s blocks of "
-                             f"{self.block} tokens")
+                             f"{self.block} tokens; assisted or speculative decoding crops its rejected draft "
+                             "tokens: with a token-axis format keep `recent` at least the number of draft tokens, "
+                             "or use a channel format")
 
     def crop_last(self, n: int) -> None:
         """Drop the last n tokens, from the recent window first, then staging, the body, then the sink
