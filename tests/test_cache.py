@@ -357,6 +357,14 @@ def test_a_refused_update_stores_nothing_on_either_path(prefilled):
     assert got_c.shape[-2] == got_k.shape[-2] == 5
 
 
+@pytest.mark.parametrize("config", [None, "int4:8", {"content": "int4:8", "rope": "int4:8"}])
+def test_a_config_that_is_not_a_cache_config_is_refused_at_construction(config):
+    """It failed inside the model's forward as "'NoneType' object has no attribute 'at'" (None is what
+    cache_config_of gives for a checkpoint that was never calibrated)."""
+    with pytest.raises(TypeError, match="QuantMLACache takes a CacheConfig.*got " + type(config).__name__):
+        QuantMLACache(config)
+
+
 def test_layer_index_beyond_num_layers_raises():
     with pytest.raises(ValueError, match="built for 2 layers but got layer_idx=3"):
         QuantMLACache(num_layers=2).update(torch.randn(1, 1, 1, DC), torch.randn(1, 1, 1, DR), 3)

@@ -310,6 +310,13 @@ class QuantMLACache(Cache):
     """
 
     def __init__(self, config: CacheConfig = CacheConfig(), num_layers: int | None = None):
+        # Refused here: the layers read it lazily, so a wrong type used to fail inside the model's forward as
+        # "'NoneType' object has no attribute 'at'" (None: cache_config_of on a checkpoint never calibrated).
+        if not isinstance(config, CacheConfig):
+            hint = (" (cache_config_of returns None for a checkpoint without a quantmla section: one that "
+                    "`quantmla calibrate` did not write)" if config is None else "")
+            raise TypeError(f"QuantMLACache takes a CacheConfig, e.g. CacheConfig('int4', 'int4'), got "
+                            f"{type(config).__name__}{hint}")
         self.config = config
         self.num_layers = num_layers
         layers = [] if num_layers is None else [QuantMLALayer(config.at(i), i) for i in range(num_layers)]
