@@ -112,6 +112,21 @@ def test_methods_table():
         apply_method("nope", None)
 
 
+
+def test_eval_help_names_the_methods_that_take_formats():
+    """--content/--rope are not rtn's alone: kivi, quarot, smoothquant and quantmla take them too, and the
+    BF16 window defaults to 4 + 128 for every method but bf16/fp8/fp8-content."""
+    from quantmla.cli import build_parser
+
+    eval_parser = build_parser()._subparsers._group_actions[0].choices["eval"]
+    helps = {a.dest: a.help for a in eval_parser._actions}
+    for name in ("rtn", "kivi", "quarot", "smoothquant", "quantmla"):
+        assert name in helps["content"], name
+    _, cfg = METHODS["kivi"](None, MethodArgs(content="int2", rope="int4"))  # taken, as token groups
+    assert (str(cfg.content), str(cfg.rope), cfg.sink, cfg.recent) == ("int2:t64", "int4:t64", 4, 128)
+    for flag in ("sink", "recent"):
+        assert "fp8-content" in helps[flag] and "rtn methods" not in helps[flag], flag
+
 def test_bytes_per_token_is_measured():
     # 1152 B per token in BF16; INT4/INT4 body 256+32 + 4*(8+1) = 324 B; protected tokens at BF16.
     assert measure_bytes_per_token(CacheConfig.bf16(), 512, 64, 256) == 1152

@@ -685,11 +685,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "token groups); quarot (Hadamard; online on RoPE); smoothquant (channel scaling); quantmla "
                         "(calibrates first unless MODEL is a calibrated checkpoint). Default: quantmla for a "
                         "calibrated checkpoint, else bf16")
-    s.add_argument("--content", help="content format for rtn/rtn-content: bf16, fp8, int8, int4, int2 [:group] "
-                                     "(default int4)")
-    s.add_argument("--rope", help="RoPE format for rtn, same spelling (default int4)")
-    s.add_argument("--sink", type=int, help="first tokens kept in BF16 (default: 4 for rtn methods, 0 for fp8)")
-    s.add_argument("--recent", type=int, help="most recent tokens kept in BF16 (default: 128 for rtn, 0 for fp8)")
+    s.add_argument("--content", help="content format: bf16, fp8, int8, int4, int2 [:group] (default int4), for rtn, "
+                                     "rtn-content, kivi (as token groups), quarot, smoothquant and quantmla; fp4 and "
+                                     "turboquant take only their own kinds, bf16/fp8/fp8-content none")
+    s.add_argument("--rope", help="RoPE format, same spelling (default int4; rtn-content and turboquant keep RoPE in "
+                                  "BF16)")
+    s.add_argument("--sink", type=int, help="first tokens kept in BF16 (default: 0 for bf16, fp8 and fp8-content; a "
+                                            "calibrated checkpoint's own; else 4)")
+    s.add_argument("--recent", type=int, help="most recent tokens kept in BF16 (default: 0 for bf16, fp8 and "
+                                              "fp8-content; a calibrated checkpoint's own; else 128)")
     s.add_argument("--tasks", default="ppl,kl,niah", help="comma-separated subset of ppl,kl,niah (default all)")
     s.add_argument("--lengths", default="512,1024,2048",
                    help="needle lengths (bytes of prompt + answer: tokens of the byte-level default model); "
