@@ -298,6 +298,16 @@ def test_calibrate_command_rejects_bad_arguments(tmp_path, capsys):
         assert e.value.code == 2 and "must be >= 1" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", [["calibrate"], ["calibrate", "--streaming"], ["demo"]])
+def test_commands_that_write_name_a_missing_checkpoint(tmp_path, capsys, command):
+    """calibrate and demo read config.json first (for a quantization_config): a missing directory or
+    config.json is named as such, as info/analyze/eval name it, not as a bare [Errno 2]."""
+    (tmp_path / "weights_only").mkdir()
+    for model, message in (("nowhere", "model directory not found"), ("weights_only", "has no config.json")):
+        assert main([command[0], str(tmp_path / model), *command[1:], "--out", str(tmp_path / "o")]) == 2
+        assert message in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("streaming", [[], ["--streaming"]])
 def test_calibrate_never_overwrites_what_it_was_not_asked_to(tmp_path, capsys, streaming):
     """--out is checked before any work: the model's own directory is refused (--streaming used to delete its

@@ -193,8 +193,9 @@ def check_checkpoint_dir(path: str | Path) -> Path:
 
 
 def read_config_json(path: str | Path) -> dict:
-    """A checkpoint directory's config.json as a dict; ValueError naming the file when it is not JSON."""
-    file = Path(path) / "config.json"
+    """A checkpoint directory's config.json as a dict; FileNotFoundError naming a missing directory or
+    config.json (`check_checkpoint_dir`), ValueError naming the file when it is not JSON."""
+    file = check_checkpoint_dir(path) / "config.json"
     try:
         config = json.loads(file.read_text())
     except json.JSONDecodeError as e:
