@@ -48,6 +48,31 @@ def test_demo_table_fits_80_columns_and_shows_the_128k_fraction():
     assert lines["bf16"].count("100.0") == 2
 
 
+
+def test_demo_tables_show_every_needle_cell_at_several_lengths():
+    """`quantmla demo --lengths 512,1024,2048`: one needles column per length made the table wider than 80
+    columns, and rich cut its cells to '100/10…' and '1.00e…'; the needles go in a table of their own."""
+    from types import SimpleNamespace
+
+    from rich.console import Console
+
+    from quantmla.cli import demo_needles_table, demo_table
+
+    lengths = (512, 1024, 2048)
+    niah = {"single": dict.fromkeys(lengths, 1.0), "multikey": dict.fromkeys(lengths, 0.94),
+            "multivalue": {512: 0.88, 1024: 0.81, 2048: 0.75}}
+    r = SimpleNamespace(bytes_per_token=537, bytes_per_token_bf16=1152, bytes_per_token_long=324.83, kl=1.23e-3,
+                        ppl=139.359, niah=niah)
+    rows = [("bf16", r), ("quantmla int4/int4", r), ("quantmla int2/int4", r)]
+    console = Console(width=80, record=True)
+    console.print(demo_table("default_model", rows, lengths))
+    console.print(demo_needles_table("default_model", rows, lengths))
+    text = console.export_text()
+    assert max(len(line) for line in text.splitlines()) <= 80 and "…" not in text
+    for cell in ("quantmla int2/int4", "1.23e-03", "139.359", "100/94/88", "100/94/81", "100/94/75"):
+        assert cell in text
+
+
 def test_demo_checks_out_before_any_work(tmp_path, capsys, monkeypatch):
     """--out that is a file, or lies under one, is refused before the BF16 row (it failed only after the BF16 and
     RTN evaluations and a calibration, when the first checkpoint was written)."""

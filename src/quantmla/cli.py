@@ -465,17 +465,32 @@ def cmd_lm_eval(args) -> None:
 def demo_table(name: str, rows, lengths) -> Table:
     """The demo's comparison, readable at 80 columns: bytes per token and layer as measured at the evaluated
     length and at 128 K (both measured from the cache, protected and staged tokens included), KL,
-    perplexity, and needle accuracy as single/multikey/multivalue per length."""
-    table = Table(title=f"{name}: cache methods (held-out KL/ppl; needles s/mk/mv %)", box=box.SIMPLE_HEAD)
-    for col in ("method", "B/tok", "%BF16", "@128K", "KL", "ppl", *(f"needles {n}" for n in lengths)):
+    perplexity, and needle accuracy as single/multikey/multivalue at the one length; at several lengths the
+    needles go in `demo_needles_table` (a column per length does not fit 80 columns: rich cut the cells)."""
+    needles = lengths if len(lengths) == 1 else ()
+    table = Table(title=f"{name}: cache methods (held-out KL/ppl{'; needles s/mk/mv %' if needles else ''})",
+                  box=box.SIMPLE_HEAD)
+    for col in ("method", "B/tok", "%BF16", "@128K", "KL", "ppl", *(f"needles {n}" for n in needles)):
         table.add_column(col, justify="left" if col == "method" else "right")
     for label, r in rows:
         bf16 = r.bytes_per_token_bf16
         table.add_row(label, f"{r.bytes_per_token:.0f}", f"{100 * r.bytes_per_token / bf16:.1f}",
                       f"{100 * r.bytes_per_token_long / bf16:.1f}",
-                      f"{r.kl:.2e}", f"{r.ppl:.3f}",
-                      *("/".join(f"{100 * r.niah[t][n]:.0f}" for t in ("single", "multikey", "multivalue"))
-                        for n in lengths))
+                      f"{r.kl:.2e}", f"{r.ppl:.3f}", *(_needles(r, n) for n in needles))
+    return table
+
+
+def _needles(r, length: int) -> str:
+    return "/".join(f"{100 * r.niah[t][length]:.0f}" for t in ("single", "multikey", "multivalue"))
+
+
+def demo_needles_table(name: str, rows, lengths) -> Table:
+    """The demo's needle accuracy (single/multikey/multivalue %) at each of several lengths, a column each."""
+    table = Table(title=f"{name}: needles s/mk/mv %", box=box.SIMPLE_HEAD)
+    for col in ("method", *map(str, lengths)):
+        table.add_column(col, justify="left" if col == "method" else "right")
+    for label, r in rows:
+        table.add_row(label, *(_needles(r, n) for n in lengths))
     return table
 
 
@@ -505,6 +520,8 @@ def cmd_demo(args) -> None:
     console.rule(f"quantmla demo on {model_dir.name}")
     rows = run_demo(model_dir, Path(args.out), settings, log=lambda m: console.print(f"[bold]>[/] {m}"))
     console.print(demo_table(model_dir.name, rows, settings.eval.lengths))
+    if len(settings.eval.lengths) > 1:
+        console.print(demo_needles_table(model_dir.name, rows, settings.eval.lengths))
     _write_json(str(Path(args.out) / "demo.json"),
                 {"model": str(model_dir), "rows": [{"label": label, **r.to_dict()} for label, r in rows]})
 
