@@ -356,6 +356,25 @@ def test_calibrate_overwrite_leaves_nothing_of_the_old_checkpoint(tmp_path, stre
     assert not (out / "model-00001-of-00002.safetensors").exists() or streaming
 
 
+
+@pytest.mark.parametrize("streaming", [[], ["--streaming"]])
+def test_calibrated_checkpoint_keeps_the_chat_template(tmp_path, streaming):
+    """transformers 5 saves a tokenizer's chat template as chat_template.jinja beside tokenizer_config.json;
+    the calibrated checkpoint lost it, and `quantmla serve` on it then formatted chats as plain 'role: text'
+    lines instead of the model's template."""
+    from quantmla.data import default_model_dir, tokenizer_for
+
+    src = tmp_path / "src"
+    tiny_model("deepseek_v3", vocab_size=259).save_pretrained(src)  # the shipped byte-level tokenizer's vocabulary
+    tok = tokenizer_for(default_model_dir())
+    tok.chat_template = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}{% endfor %}"
+    tok.save_pretrained(src)
+    assert (src / "chat_template.jinja").is_file()
+    out = tmp_path / "out"
+    assert main(["calibrate", str(src), "--samples", "3", "--length", "160", "--recent", "16", "--steps", "1",
+                 "--out", str(out), *streaming]) == 0
+    assert tokenizer_for(out).chat_template == tok.chat_template
+
 # ---------------------------------------------------------------- the quantizer search (clipping, axis)
 def test_rtn_and_smoothquant_are_points_of_the_search(layer_data):
     """The scored points include RTN (recomputed here from the identity transform) and SmoothQuant

@@ -21,9 +21,11 @@ from quantmla.config import CacheConfig
 from quantmla.models.adapters import read_config_json
 
 SECTION = "quantmla"
-# Files besides config and weights that make a checkpoint directory usable on its own.
+# Files besides config and weights that make a checkpoint directory usable on its own. transformers 5 keeps a
+# tokenizer's chat template in chat_template.jinja, not in tokenizer_config.json (`quantmla serve` formats chats
+# with it).
 _COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-         "vocab.json", "merges.txt", "tokenizer.model")
+         "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
 
 
 def save_calibrated(model, out_dir: str | Path, cfg: CacheConfig, calibration: dict, reports=(),
