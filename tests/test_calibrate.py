@@ -284,7 +284,7 @@ def test_calibrate_command_rejects_bad_arguments(tmp_path, capsys):
     assert main(base + ["--samples", "4"]) == 2  # 32 tokens, sink 4 + recent 128: nothing is ever quantized
     assert "too short for sink 4 + recent 128" in capsys.readouterr().err
     assert main(base + ["--samples", "4", "--recent", "8", "--content", "fp8"]) == 2
-    assert "content fp8:32 has no calibration surrogate" in capsys.readouterr().err
+    assert "content fp8 has no calibration surrogate" in capsys.readouterr().err
     for streaming in ([], ["--streaming"]):  # the tiny model has 512 positions
         assert main(base + ["--samples", "4", "--length", "600", *streaming]) == 2
         assert "--length 600 exceeds the model's max_position_embeddings 512" in capsys.readouterr().err
@@ -307,6 +307,20 @@ def test_commands_that_write_name_a_missing_checkpoint(tmp_path, capsys, command
         assert main([command[0], str(tmp_path / model), *command[1:], "--out", str(tmp_path / "o")]) == 2
         assert message in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("bad, message", [
+    (["--budget", "0.3", "--clips", "1,0.9,1.5"], "clipping ratio must be in (0, 1], got 1.5"),
+    (["--content", "fp8"], "content fp8 has no calibration surrogate")])
+def test_calibrate_refuses_bad_search_options_before_loading_the_model(tmp_path, capsys, monkeypatch, bad, message):
+    """A clipping ratio out of range, or a format calibration cannot fit, was refused only at the first layer's
+    search: after the model load and, with --budget, after every format of every layer had been scored."""
+    import quantmla.models
+
+    monkeypatch.setattr(quantmla.models, "load_model", lambda *a, **k: pytest.fail("loaded the model"))
+    src = save_tiny_model("deepseek_v3", tmp_path / "src")
+    assert main(["calibrate", str(src), "--out", str(tmp_path / "o"), *bad]) == 2
+    assert message in capsys.readouterr().err
 
 @pytest.mark.parametrize("streaming", [[], ["--streaming"]])
 def test_calibrate_never_overwrites_what_it_was_not_asked_to(tmp_path, capsys, streaming):

@@ -279,7 +279,7 @@ def _formats(args):
 def cmd_calibrate(args) -> None:
     import torch
 
-    from quantmla.calibrate.driver import calibrate_model, chosen_config
+    from quantmla.calibrate.driver import calibrate_model, check_calibratable, chosen_config
     from quantmla.calibrate.export import save_calibrated
     from quantmla.calibrate.space import SearchSpace
     from quantmla.config import CacheConfig
@@ -296,7 +296,11 @@ def cmd_calibrate(args) -> None:
                       "and the new quantmla section replaces its record (calibrate the original checkpoint to "
                       "start afresh)", soft_wrap=True)
     content, rope = _formats(args)
-    if args.budget is not None:
+    # The search's options, checked before the model loads (the search itself meets them only at layer 0).
+    space = SearchSpace(clips=_float_list(args.clips, "--clips"), token_axis=args.token_axis, ranked=args.ranked)
+    if args.budget is None:
+        check_calibratable(CacheConfig(content, rope))
+    else:
         from quantmla.calibrate.budget import check_budget
 
         check_budget(args.budget)  # before the model loads
@@ -342,7 +346,6 @@ def cmd_calibrate(args) -> None:
         cfg = alloc.config
         calibration["budget"] = {"fraction": args.budget, "context": args.context, "chosen_fraction": alloc.fraction}
         console.print(alloc.summary(), soft_wrap=True)
-    space = SearchSpace(clips=_float_list(args.clips, "--clips"), token_axis=args.token_axis, ranked=args.ranked)
     calibration["space"] = {"clips": list(space.clips), "token_axis": space.token_axis, "ranked": space.ranked}
     torch.manual_seed(args.seed)
     if args.streaming:

@@ -65,6 +65,9 @@ class SearchSpace:
     def __post_init__(self):
         if self.rope_judge not in ("output", "qk"):
             raise ValueError(f"rope_judge must be 'output' or 'qk', got {self.rope_judge!r}")
+        for clip in self.clips:  # here, not first at layer 0's search (after the model load)
+            if not 0 < clip <= 1:
+                raise ValueError(f"clipping ratio must be in (0, 1], got {clip}")
 
     def formats(self, base: QuantFormat, dim: int, first_query: int | None = None,
                 cfg: CacheConfig | None = None, ranked: bool = False) -> list[QuantFormat]:
