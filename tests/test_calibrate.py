@@ -309,6 +309,18 @@ def test_commands_that_write_name_a_missing_checkpoint(tmp_path, capsys, command
 
 
 
+def test_group_keeps_the_rank_and_clipping_ratio_it_is_given_with():
+    """--group replaces only the group of a format that names none: `--content int8r64 --group 32` calibrated
+    int8:32 (every channel stored, twice int8r64's bytes) and `int4c0.9` lost its clipping ratio, unsaid."""
+    from types import SimpleNamespace
+
+    from quantmla.cli import _formats
+
+    content, rope = _formats(SimpleNamespace(content="int8r64", rope="int4c0.9", group=32))
+    assert (content, rope) == (QuantFormat("int8", 32, rank=64), QuantFormat("int4", 32, clip=0.9))
+    assert _formats(SimpleNamespace(content="int4:16", rope="bf16", group=32)) == [QuantFormat("int4", 16),
+                                                                                QuantFormat("bf16")]
+
 @pytest.mark.parametrize("bad, message", [
     (["--budget", "0.3", "--clips", "1,0.9,1.5"], "clipping ratio must be in (0, 1], got 1.5"),
     (["--content", "fp8"], "content fp8 has no calibration surrogate")])

@@ -264,14 +264,17 @@ def _float_list(text: str, flag: str) -> tuple[float, ...]:
 
 
 def _formats(args):
-    """--content/--rope, with --group applied to the integer formats that name no group of their own."""
+    """--content/--rope, with --group applied to the integer formats that name no group of their own (their
+    rank and clipping ratio kept)."""
+    from dataclasses import replace
+
     from quantmla.config import QuantFormat
 
     out = []
     for spec in (args.content, args.rope):
         fmt = QuantFormat.parse(spec)
         if args.group and ":" not in spec and fmt.is_integer:
-            fmt = QuantFormat(fmt.kind, args.group)
+            fmt = replace(fmt, group=args.group)
         out.append(fmt)
     return out
 
