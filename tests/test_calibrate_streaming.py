@@ -65,6 +65,10 @@ def test_streaming_gives_the_in_memory_weights_with_one_layer_resident(family, s
     assert any(not torch.equal(orig[k], got[k]) for k in got if "kv_a_proj_with_mqa" in k)
     assert [r.content_best for r in res.reports] == [r.content_best for r in reports]
     assert cache_config_of(tmp_path / "str") == cache_config_of(tmp_path / "mem")
+    # the multi-token-prediction layers are not written: neither config may promise them
+    configs = [json.loads((d / "config.json").read_text()) for d in (src, tmp_path / "mem", tmp_path / "str")]
+    nextn = [c.get("num_nextn_predict_layers") for c in configs]
+    assert nextn == ([1, 0, 0] if family == "deepseek_v3" else [None] * 3)
 
 
 def _kl(logits_p, logits_q):

@@ -35,7 +35,7 @@ def save_calibrated(model, out_dir: str | Path, cfg: CacheConfig, calibration: d
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     clear_checkpoint(out_dir)
-    setattr(model.config, SECTION, section(cfg, calibration, reports))
+    mark_calibrated(model.config, cfg, calibration, reports)
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(out_dir)
@@ -51,6 +51,15 @@ def clear_checkpoint(out_dir: Path) -> None:
         (out_dir / name).unlink(missing_ok=True)
     for stale in out_dir.glob("model*.safetensors"):
         stale.unlink()
+
+
+def mark_calibrated(config, cfg: CacheConfig, calibration: dict, reports=()) -> None:
+    """Put the quantmla section on the output's `config`, and set num_nextn_predict_layers to 0: the
+    multi-token-prediction layers are not written (transformers does not load them), and a reader that
+    trusts the count (vLLM's MTP speculative decoding) would look for weights the checkpoint lacks."""
+    setattr(config, SECTION, section(cfg, calibration, reports))
+    if getattr(config, "num_nextn_predict_layers", 0):
+        config.num_nextn_predict_layers = 0
 
 
 def section(cfg: CacheConfig, calibration: dict, reports=()) -> dict:

@@ -32,7 +32,7 @@ from torch import nn
 
 from quantmla.calibrate.driver import calibrate_model
 from quantmla.calibrate.space import SearchSpace
-from quantmla.calibrate.export import SECTION, clear_checkpoint, finish_checkpoint, section
+from quantmla.calibrate.export import clear_checkpoint, finish_checkpoint, mark_calibrated
 from quantmla.config import CacheConfig
 from quantmla.models.adapters import check_checkpoint_dir, check_safetensors, describe, load_config
 
@@ -235,7 +235,7 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
     cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
-    setattr(model.config, SECTION, section(cfg, calibration or {}, reports))
+    mark_calibrated(model.config, cfg, calibration or {}, reports)
     model.config.dtype = dtype
     model.config.save_pretrained(out_dir)
     if getattr(model, "generation_config", None) is not None and model.can_generate():
