@@ -197,6 +197,25 @@ def test_cli_errors(tiny_dir, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_cli_notes_a_baseline_on_a_calibrated_checkpoint(tiny_dir, tmp_path, capsys):
+    """A baseline method on a calibrated checkpoint runs on its folded weights, not the original's: eval says
+    so (the row read as the baseline's own figure)."""
+    import shutil
+
+    from quantmla.calibrate.export import section
+
+    cal = tmp_path / "cal"
+    shutil.copytree(tiny_dir, cal)
+    config = json.loads((cal / "config.json").read_text())
+    config["quantmla"] = section(CacheConfig("int4", "int4", 4, 16), {})
+    (cal / "config.json").write_text(json.dumps(config))
+    argv = ["--method", "rtn", "--recent", "16", "--lengths", "96", "--samples", "1", "--tasks", "ppl,kl"]
+    assert main(["eval", str(cal), *argv]) == 0
+    assert "is calibrated: rtn runs on its folded weights" in capsys.readouterr().out
+    assert main(["eval", str(tiny_dir), *argv]) == 0
+    assert "calibrated" not in capsys.readouterr().out
+
+
 def test_cli_checks_the_json_path_before_the_run(tiny_dir, tmp_path, capsys, monkeypatch):
     """--json that is a directory or lies under a file is refused before any work (it failed only after the
     evaluation, a FileExistsError traceback under a file)."""

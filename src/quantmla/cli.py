@@ -401,12 +401,17 @@ def cmd_eval(args) -> None:
 
     # Check everything the user typed before the (slow) model load.
     _check_out_file(args.json, "--json")
-    if args.method is None:
-        from quantmla.calibrate.export import quantmla_section
+    from quantmla.calibrate.export import quantmla_section
 
-        args.method = "quantmla" if quantmla_section(resolve_model_dir(args.model)) else "bf16"
+    calibrated = quantmla_section(resolve_model_dir(args.model)) is not None
+    if args.method is None:
+        args.method = "quantmla" if calibrated else "bf16"
     if args.method not in METHODS:
         raise ValueError(f"unknown method {args.method!r}; known methods: {', '.join(METHODS)}")
+    if calibrated and args.method not in ("quantmla", "bf16"):
+        console.print(f"note: {args.model} is calibrated: {args.method} runs on its folded weights, transforms "
+                      "included; for the baseline on the original weights, evaluate the original checkpoint",
+                      soft_wrap=True)
     method_args = MethodArgs(args.content, args.rope, args.sink, args.recent)
     lengths = _int_list(args.lengths, "--lengths")
     scored = args.scored if args.scored is not None else min(256, max(lengths, default=512) // 2)  # short: half
