@@ -502,10 +502,11 @@ if triton is not None:
         USE_ASM: tl.constexpr,
         F32_DOT: tl.constexpr,
     ):
-        # Head blocks vary fastest, so the programs that share a cache chunk run side by side (L2 reuse).
+        # Head blocks vary fastest, so the programs that share a cache chunk run side by side (L2 reuse); splits
+        # slowest, so the live splits of all sequences come before the empty ones a loose max_seq_len adds.
         hb = tl.program_id(0)
-        split = tl.program_id(1)
-        b = tl.program_id(2)
+        b = tl.program_id(1)
+        split = tl.program_id(2)
 
         L = tl.load(lens_ptr + b)
         MIXED: tl.constexpr = C_BLK != R_BLK
@@ -749,7 +750,7 @@ def triton_launch(q_nope_absorbed, q_pe, cache: PagedMLACache, block_tables, seq
     options = dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     if cfg.maxnreg:
         options["maxnreg"] = cfg.maxnreg
-    return Launch((triton.cdiv(H, cfg.block_h), num_splits, B), args, options, outputs)
+    return Launch((triton.cdiv(H, cfg.block_h), B, num_splits), args, options, outputs)
 
 
 def _interpreting() -> bool:

@@ -429,7 +429,7 @@ def mla_decode_cuda(q_nope_absorbed, q_pe, cache, block_tables, seq_lens, slots,
     ]  # fmt: skip
     params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
     stream = torch.cuda.current_stream(dev).cuda_stream
-    _check(_cu().cuLaunchKernel(P(fn), nst, B, -(-H // 16), 32 * (dc // 64), 1, 1, smem, P(stream), params, None), "cuLaunchKernel")
+    _check(_cu().cuLaunchKernel(P(fn), -(-H // 16), B, nst, 32 * (dc // 64), 1, 1, smem, P(stream), params, None), "cuLaunchKernel")
     combine_splits(po, plse, out, lse)
     return out, lse
 

@@ -4,7 +4,8 @@
 // Compile-time config (-D): CB, RB (content / rope bits: 4 or 2), DC, DR (dims), RG (rope group), STAGES.
 // fp8 variant (CB = 8: content e4m3 with an fp32 scale per CG channels, CG = 0: none; rope RB = 8: e4m3 without
 // scale, or RB = 16: bf16; RG = DR): see "fp8" below; the structure is the same.
-// Content groups are 64 channels. One CTA = (split, sequence, block of 16 heads) = NW = DC / 64 warps, one
+// Content groups are 64 channels. One CTA = (block of 16 heads, sequence, split: the grid's x, y, z, so that live
+// splits are launched before the empty ones a loose max_seq_len adds) = NW = DC / 64 warps, one
 // per content group; tiles of NT = 64 tokens (one block-table entry each: a page holds whole tiles).
 //
 // Per body tile:
@@ -372,7 +373,7 @@ extern "C" __global__ void __launch_bounds__(NTHREADS, 2) mla_decode_int(
   extern __shared__ __align__(16) uint8_t smem_raw[];
   Smem& sm = *reinterpret_cast<Smem*>(smem_raw);
 
-  const int split = blockIdx.x, b = blockIdx.y, hb = blockIdx.z;
+  const int hb = blockIdx.x, b = blockIdx.y, split = blockIdx.z;
   const int tid = threadIdx.x, w = tid >> 5, lane = tid & 31, g = lane >> 2, t = lane & 3;
   const int h0 = hb * 16;
   const int jt0 = CS == 1 ? 2 * w : 2 * (w % NQ) + w / NQ;  // first n8 tile of this warp's scores (tokens 8 jt0 ..)

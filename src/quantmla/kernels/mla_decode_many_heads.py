@@ -16,9 +16,10 @@ What it takes (`unsupported_reason` names the first thing that is not; Triton's 
     strides may exceed the widths, as in vLLM's packed rows), code rows 4-byte aligned.
 
 Design (FlashMLA's split of the work between two warpgroups, with the dequantization in front of it). One CTA
-= 8 warps = (split, sequence, 64 heads). Q [64 heads, dc + dr] is staged once in shared memory and stays there
-as the A operand of the scores, so no registers hold it (Triton's kernel keeps it in registers and, at 64 heads
-per program, spills: 376 bytes of stack per thread at int4/int4). Per tile of 64 tokens:
+= 8 warps = (64 heads, sequence, split: the grid's order, live splits first). Q [64 heads, dc + dr] is staged
+once in shared memory and stays there as the A operand of the scores, so no registers hold it (Triton's kernel
+keeps it in registers and, at 64 heads per program, spills: 376 bytes of stack per thread at int4/int4). Per
+tile of 64 tokens:
   - all 8 warps dequantize the tile into one of two fp16 shared-memory tiles K [64 tokens, dc] and K_pe
     [64, dr] (`_dequant_ptx`: 3 instructions per 2 codes); protected rows are copied there. Each thread loads
     16 code bytes of one token, and a warp's lanes run along the bytes of a group, then along tokens, so each
@@ -251,9 +252,9 @@ if gluon is not None:
         LPR: gl.constexpr, Q_SL: gl.constexpr, QR_SL: gl.constexpr, P_SL: gl.constexpr, PF: gl.constexpr,
         PF_AHEAD: gl.constexpr,
     ):
-        split = gl.program_id(0)
+        h0 = gl.program_id(0) * 64
         b = gl.program_id(1)
-        h0 = gl.program_id(2) * 64
+        split = gl.program_id(2)
         L = gl.load(lens_ptr + b)
         q_hi = SINK + gl.maximum(L - RECENT - SINK, 0)  # positions [SINK, q_hi) are quantized
         n_q = q_hi - SINK
@@ -491,7 +492,7 @@ def many_heads_launch(q_nope_absorbed, q_pe, cache: PagedMLACache, block_tables,
                sm_scale * LOG2E]  # fmt: skip
     consts = {**kernel_constexprs(cache), **VARIANT, **(variant or {})}
     args = tuple(consts[p.name] if p.is_constexpr else runtime.pop(0) for p in _many_heads_kernel.params)
-    return Launch((num_splits, B, math.ceil(H / BLOCK_H)), args, dict(num_warps=NUM_WARPS), outputs)
+    return Launch((math.ceil(H / BLOCK_H), B, num_splits), args, dict(num_warps=NUM_WARPS), outputs)
 
 
 def mla_decode_many_heads(
