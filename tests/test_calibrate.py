@@ -320,6 +320,8 @@ def test_group_keeps_the_rank_and_clipping_ratio_it_is_given_with():
     assert (content, rope) == (QuantFormat("int8", 32, rank=64), QuantFormat("int4", 32, clip=0.9))
     assert _formats(SimpleNamespace(content="int4:16", rope="bf16", group=32)) == [QuantFormat("int4", 16),
                                                                                 QuantFormat("bf16")]
+    # a rank that is a multiple of --group but not of the kind's default group (64)
+    assert _formats(SimpleNamespace(content="int8r48", rope="fp8", group=16))[0] == QuantFormat("int8", 16, rank=48)
 
 @pytest.mark.parametrize("bad, message", [
     (["--budget", "0.3", "--clips", "1,0.9,1.5"], "clipping ratio must be in (0, 1], got 1.5"),

@@ -266,16 +266,14 @@ def _float_list(text: str, flag: str) -> tuple[float, ...]:
 def _formats(args):
     """--content/--rope, with --group applied to the integer formats that name no group of their own (their
     rank and clipping ratio kept)."""
-    from dataclasses import replace
-
     from quantmla.config import QuantFormat
 
     out = []
     for spec in (args.content, args.rope):
-        fmt = QuantFormat.parse(spec)
-        if args.group and ":" not in spec and fmt.is_integer:
-            fmt = replace(fmt, group=args.group)
-        out.append(fmt)
+        kind = re.match(r"int\d+", spec.strip().lower())
+        if args.group and ":" not in spec and kind:  # spelled in: a rank is checked against this group, not 64
+            spec = f"{kind.group()}:{args.group}{spec.strip().lower()[kind.end():]}"
+        out.append(QuantFormat.parse(spec))
     return out
 
 
