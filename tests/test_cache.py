@@ -357,6 +357,21 @@ def test_a_refused_update_stores_nothing_on_either_path(prefilled):
     assert got_c.shape[-2] == got_k.shape[-2] == 5
 
 
+@pytest.mark.parametrize("fmt", ["int4:8", "int4:t4", "bf16"])
+def test_a_cache_cropped_to_nothing_takes_another_batch(fmt):
+    """Cropped to 0 tokens, a cache holds no sequence: a batch of another size starts it afresh, as a new cache
+    would (it failed in torch.cat, its empty rows still sized for the old batch)."""
+    config = CacheConfig(fmt, fmt, sink=2, recent=4)
+    cache = QuantMLACache(config)
+    cache.update(torch.randn(3, 1, 12, DC), torch.randn(3, 1, 12, DR), 0)
+    cache.crop(-12)
+    assert cache.get_seq_length() == 0
+    c, k = torch.randn(2, 1, 12, DC), torch.randn(2, 1, 12, DR)
+    got = cache.update(c, k, 0)
+    want = QuantMLACache(config).update(c, k, 0)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+
+
 @pytest.mark.parametrize("config", [None, "int4:8", {"content": "int4:8", "rope": "int4:8"}])
 def test_a_config_that_is_not_a_cache_config_is_refused_at_construction(config):
     """It failed inside the model's forward as "'NoneType' object has no attribute 'at'" (None is what

@@ -127,6 +127,8 @@ class PathStore:
         checked=True: the caller has run `check(x)` already."""
         if not checked:
             self.check(x)
+        if not len(self) and x.shape[0] != self.sink.shape[0]:  # emptied by a crop: its empty rows take x's batch
+            self.map(lambda t: t.new_empty((x.shape[0], *t.shape[1:])))
         length = len(self) + x.shape[-2]
         take = min(x.shape[-2], config.sink - self.sink.shape[-2])
         if take > 0:
