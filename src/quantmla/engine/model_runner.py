@@ -110,19 +110,17 @@ class ModelRunner:
         self.step = StepContext()
         store_dtype = storage_dtype(next(model.parameters()).dtype, self.device)
         self.caches: list[PagedMLACache] = []
-        self.kernels: list[str] = []  # per layer, decode_step's kernel argument
         fallbacks = []
         for layer in layers:
             cache = PagedMLACache.allocate(config.at(layer.cache_idx).fit(layer.kv_lora_rank, layer.rope_dim),
                                            layer.kv_lora_rank, layer.rope_dim, num_blocks + 1, max_num_seqs + 1,
                                            block_size, self.device, dtype=store_dtype)  # fmt: skip
             kernel = layer_kernel(cache, self.device)
-            if kernel == "reference" and self.device.type == "cuda":
+            if kernel == "reference":  # only on CUDA
                 fallbacks.append(f"{layer.module}: {unsupported_reason(cache)}")
             model.set_submodule(layer.module, PagedAttention(attention_module(model, layer), layer, cache, self.step,
                                                              kernel))  # fmt: skip
             self.caches.append(cache)
-            self.kernels.append(kernel)
         self._attn_implementation = model.config._attn_implementation
         model.config._attn_implementation = ATTENTION_NAME
         self.ropes = wrap_longrope(model, max_model_len)
@@ -148,9 +146,9 @@ class ModelRunner:
         from quantmla.kernels.mla_decode_cuda import auto_cuda_max_batch, decode_kernel_name
 
         names = []
-        for c, layer, kernel in zip(self.caches, self.layers, self.kernels):
-            if kernel == "reference":
-                names.append(kernel)
+        for c, layer in zip(self.caches, self.layers):
+            if layer_kernel(c, self.device) == "reference":
+                names.append("reference")
                 continue
             one, most = (decode_kernel_name(c, layer.num_heads, self.device, batch=b) for b in (1, self.max_num_seqs))
             limit = auto_cuda_max_batch(layer.num_heads, many_heads=most == "heads")

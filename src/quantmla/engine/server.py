@@ -257,21 +257,22 @@ class TextStream:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def _commit(self, window: str) -> None:
+        """Append the text of the tokens past `read` (`window`: the decode of token_ids[prefix:])."""
+        self.text += window[len(self._decode(self.token_ids[self.prefix:self.read])):]
+        self.prefix, self.read = self.read, len(self.token_ids)
+
     def push(self, new_ids: list[int], final: bool) -> str:
         if self.stopped:
             return ""
         old_len = len(self.text)
-        for k, t in enumerate(new_ids):
+        for t in new_ids:
             self.token_ids.append(t)
             window = self._decode(self.token_ids[self.prefix:])
-            if window.endswith("\ufffd") and not (final and k == len(new_ids) - 1):
-                continue  # a character split over tokens: wait for its other bytes
-            self.text += window[len(self._decode(self.token_ids[self.prefix:self.read])):]
-            self.prefix, self.read = self.read, len(self.token_ids)
-        if final and self.read < len(self.token_ids):  # final with no new token: flush what was held back
-            window = self._decode(self.token_ids[self.prefix:])
-            self.text += window[len(self._decode(self.token_ids[self.prefix:self.read])):]
-            self.read = len(self.token_ids)
+            if not window.endswith("\ufffd"):  # else a character split over tokens: wait for its other bytes
+                self._commit(window)
+        if final and self.read < len(self.token_ids):  # the output ends: what was held back goes out as it is
+            self._commit(self._decode(self.token_ids[self.prefix:]))
         text, longest = self.text, max(map(len, self.stop), default=0)
         # A stop string not found before ends in the new text: search from where it could start.
         hits = [i for i in (text.find(s, max(0, old_len - longest + 1)) for s in self.stop) if i >= 0]
