@@ -33,6 +33,27 @@ def parse(spec: str) -> tuple[str, str, int, int]:
     return content, rope, int(dc), int(dr)
 
 
+def build(specs: list[str], arch: str = "90", jobs: int = 2) -> int:
+    """Build the cubins of every CONTENT/ROPE:DC:DR spec (both ring depths) from `mla_decode_cuda.SRC` into the
+    launcher's cache; returns how many. Exits naming a spec the CUDA kernel does not run."""
+    from quantmla.cache.paged import PagedMLACache
+    from quantmla.config import CacheConfig
+    from quantmla.kernels import mla_decode_cuda as mdc
+
+    if mdc._nvcc() is None:
+        sys.exit("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
+    defines = []
+    for spec in specs:
+        content, rope, dc, dr = parse(spec)
+        cache = PagedMLACache.allocate(CacheConfig(content, rope), dc, dr, 1, 1, block_size=64, device="meta")
+        if (why := mdc._fmt_reason(cache)) is not None:
+            sys.exit(f"{spec}: the CUDA kernel {why}")
+        defines += [{**mdc._defines(cache), "STAGES": stages} for stages in (3, 2)]
+    with cf.ThreadPoolExecutor(jobs) as pool:
+        list(pool.map(lambda d: mdc.build_cubin(d, arch), defines))
+    return len(defines)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--arch", default="90", help="compute capability without the dot (90: H100 / H200)")
@@ -40,23 +61,11 @@ def main():
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 2, help="nvcc processes at once")
     args = ap.parse_args()
 
-    from quantmla.cache.paged import PagedMLACache
-    from quantmla.config import CacheConfig
     from quantmla.kernels import mla_decode_cuda as mdc
 
-    if mdc._nvcc() is None:
-        sys.exit("nvcc not found (PATH, $CUDA_HOME/bin, /usr/local/cuda/bin)")
-    jobs = []
-    for spec in args.formats.split(","):
-        content, rope, dc, dr = parse(spec)
-        cache = PagedMLACache.allocate(CacheConfig(content, rope), dc, dr, 1, 1, block_size=64, device="meta")
-        if (why := mdc._fmt_reason(cache)) is not None:
-            sys.exit(f"{spec}: the CUDA kernel {why}")
-        jobs += [{**mdc._defines(cache), "STAGES": stages} for stages in (3, 2)]
     t0 = time.time()
-    with cf.ThreadPoolExecutor(args.jobs) as pool:
-        list(pool.map(lambda d: mdc.build_cubin(d, args.arch), jobs))
-    print(f"{len(jobs)} cubins for sm_{args.arch} in {time.time() - t0:.0f} s, in {mdc._cache_dir()}")
+    n = build(args.formats.split(","), args.arch, args.jobs)
+    print(f"{n} cubins for sm_{args.arch} in {time.time() - t0:.0f} s, in {mdc._cache_dir()}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
     PYTHONPATH=src python benchmarks/decode_kernel_ab.py --base REV|FILE [--variant NAME=FILE ...]
         [--batches 1,16,64] [--contexts 4096,16384,65536] [--formats int4/int4,int2/int4] [--heads 16]
-        [--out benchmarks/results]
+        [--out benchmarks/results] [--prebuild]
 
 For each shape it fills one cache (decode_kernel.build), times the BF16 Triton kernel on a BF16 cache of the
 same shape, then `mla_decode_int.cu` as it was at REV (or as FILE holds it), each --variant file, and the file as
@@ -10,8 +10,14 @@ it is now, through the same launcher (the source swapped under `mla_decode_cuda.
 decode_kernel.bench does (CUDA-graph replays, L2 flushed, median). A change's effect is measured on the same
 machine, caches and clocks, which a comparison across result files cannot promise. (A base whose kernel takes
 other arguments than the launcher passes, e.g. one from before the per-sequence split count (226f1b4) or
-before the protected splits' count (e48bcda), fails its check.) Writes
-decode_kernel_ab.{json,md} (--name changes the stem). Needs a GPU, nvcc, and git for a revision.
+before the protected splits' count (e48bcda), fails its check.) A variant FILE ending in `.patch` is a diff
+of the kernel source (`git diff` of `mla_decode_int.cu`; its other files are left out, so the variant runs
+under the current launcher), applied to the current source with `git apply`. Writes decode_kernel_ab.{json,md}
+(--name changes the stem). Needs a GPU, nvcc, and git for a revision or a patch.
+
+--prebuild compiles every version's cubins for --formats (sm_90, both ring depths) into the launcher's cache
+and exits, without a GPU: run it where nvcc is, carry $QUANTMLA_CACHE_DIR to the GPU machine, and the timed
+run spends no time in nvcc.
 """
 
 from __future__ import annotations
@@ -42,6 +48,21 @@ def source_at(rev: str, path: Path) -> Path:
     return out
 
 
+def patched(patch: Path, current: Path) -> Path:
+    """The current kernel source with patch's changes to it applied (git apply), as a temporary file."""
+    root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
+                               cwd=current.parent, check=True).stdout.strip())
+    rel = current.resolve().relative_to(root.resolve())
+    tmp = Path(tempfile.mkdtemp())
+    (tmp / rel).parent.mkdir(parents=True)
+    (tmp / rel).write_bytes(current.read_bytes())
+    res = subprocess.run(["git", "apply", f"--include={rel.as_posix()}", str(patch.resolve())],
+                         capture_output=True, text=True, cwd=tmp)
+    if res.returncode or (tmp / rel).read_bytes() == current.read_bytes():
+        sys.exit(f"{patch} does not change {rel} as it is now: {res.stderr.strip() or 'no change to it'}")
+    return tmp / rel
+
+
 @contextlib.contextmanager
 def cuda_source(src: Path):
     """Within: `mla_decode` builds and runs the CUDA kernel from `src` instead of the launcher's own source."""
@@ -57,6 +78,20 @@ def cuda_source(src: Path):
         mdc._kernels.clear()
 
 
+def versions(base: str, variants: list[str]) -> dict[str, Path]:
+    """{"base": ..., each --variant NAME: ..., "current": ...} -> the kernel source file each one runs."""
+    from quantmla.kernels import mla_decode_cuda as mdc
+
+    current = mdc.SRC
+    out = {"base": Path(base) if os.path.isfile(base) else source_at(base, current)}
+    for spec in variants:
+        name, _, path = spec.partition("=")
+        if name in ("", "base", "current") or name in out or not os.path.isfile(path):
+            sys.exit(f"--variant {spec}: needs NAME=FILE with a new name (not base / current) and an existing file")
+        out[name] = patched(Path(path), current) if path.endswith(".patch") else Path(path)
+    return {**out, "current": current}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True,
@@ -70,7 +105,18 @@ def main():
     ap.add_argument("--rep", type=float, default=10, help="timed replays per row: about this many ms")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--name", default="decode_kernel_ab", help="results file stem")
+    ap.add_argument("--prebuild", action="store_true",
+                    help="only compile every version's cubins for --formats (no GPU needed), then exit")
     args = ap.parse_args()
+    variants = versions(args.base, args.variant)
+    if args.prebuild:
+        import build_cuda_kernels
+
+        for name, src in variants.items():
+            with cuda_source(src):
+                n = build_cuda_kernels.build([f"{f}:512:64" for f in args.formats.split(",")])
+            print(f"{name}: {n} cubins ({src})")
+        return
 
     import torch
     from decode_kernel import SCALE, bench, bf16_us, build, check, queries, require_cuda
@@ -80,13 +126,7 @@ def main():
     from quantmla.kernels import mla_decode_cuda as mdc
     from quantmla.kernels.mla_decode import mla_decode
 
-    current = mdc.SRC
-    base = Path(args.base) if os.path.isfile(args.base) else source_at(args.base, current)
-    extra = dict(v.split("=", 1) for v in args.variant)
-    for name, path in extra.items():
-        if name in ("base", "current") or not os.path.isfile(path):
-            sys.exit(f"--variant {name}={path}: needs a name other than base / current and an existing file")
-    variants = {"base": base, **{k: Path(v) for k, v in extra.items()}, "current": current}
+    extra = {k: v for k, v in variants.items() if k not in ("base", "current")}
     rows = []
     head = f"{'B':>3} {'context':>7} {'format':>10} {'bf16 us':>8} {'base us':>8} {'x':>5} {'now us':>8} {'x':>5} {'now/base':>8}"
     head += "".join(f" {name[:12]:>12}" for name in extra)
@@ -115,7 +155,7 @@ def main():
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": " ".join(["python"] + sys.argv),
         "base": args.base,
-        "variants": extra,
+        "variants": dict(v.split("=", 1) for v in args.variant),
         "torch": torch.__version__,
     }
     os.makedirs(args.out, exist_ok=True)

@@ -449,6 +449,23 @@ def test_ablations_apply_to_the_kernel_source():
         mod.ablated(src.replace("store_sz(tt + 1);", "store_sz(tt+1);"), "scale staging")
 
 
+def test_bisect_patches_apply_to_the_kernel_source(tmp_path):
+    """The benchmarks/results/decode_kernel_bisect_*.patch variants, timed by benchmarks/decode_kernel_ab.py, must
+    still apply to the kernel as it is and change it (else the bisect would fail on the GPU, or time the kernel
+    unchanged); a patch that no longer applies is refused by name."""
+    mod = _benchmark("decode_kernel_ab")
+    patches = sorted((BENCHMARKS / "results").glob("decode_kernel_bisect_*.patch"))
+    assert patches
+    for patch in patches:
+        assert mod.patched(patch, mdc.SRC).read_text() != mdc.SRC.read_text(), patch.name
+    stale = tmp_path / "stale.patch"
+    text = patches[0].read_text()
+    first = next(line for line in text.splitlines() if line.startswith("-") and not line.startswith("---"))
+    stale.write_text(text.replace(first, first + " // a line the kernel no longer has"))
+    with pytest.raises(SystemExit, match="stale.patch does not change"):
+        mod.patched(stale, mdc.SRC)
+
+
 def test_auto_batch_limit_by_heads():
     """"auto" keeps the CUDA kernel for any batch up to 32 heads, and above that for batches of at most 32
     16-head blocks (the kernel reads the cache once per 16 heads)."""
