@@ -113,6 +113,16 @@ def test_methods_table():
 
 
 
+def test_python_m_quantmla_runs_the_cli():
+    """`python -m quantmla` is the `quantmla` command: same parser, same exit codes."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "quantmla", "info", "/nonexistent/model"], capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2 and "not found" in run.stderr, run.stderr
+
+
 def test_eval_help_names_the_methods_that_take_formats():
     """--content/--rope are not rtn's alone: kivi, quarot, smoothquant and quantmla take them too, and the
     BF16 window defaults to 4 + 128 for every method but bf16/fp8/fp8-content."""
