@@ -251,6 +251,21 @@ def test_eval_refuses_lengths_where_nothing_is_quantized(tiny_dir, capsys):
     assert "no key is ever quantized (sink 4 + recent 128" in capsys.readouterr().err
 
 
+def test_short_models_get_a_window_that_fits(tmp_path, capsys):
+    """On a model of 128 positions, sink 4 + recent 128 BF16 tokens leave nothing quantized and no longer window
+    can help: eval, calibrate and analyze name a --recent that fits instead of lengths above 132."""
+    src = tmp_path / "short"
+    tiny_model("deepseek_v3", max_position_embeddings=128).save_pretrained(src)
+    assert main(["eval", str(src), "--method", "rtn", "--lengths", "96", "--samples", "1", "--tasks", "ppl"]) == 2
+    assert "use --recent 91 or less (the model's 128 positions" in capsys.readouterr().err
+    for cmd in (["calibrate", str(src), "--out", str(tmp_path / "o")], ["analyze", str(src), "--length", "128"]):
+        assert main(cmd) == 2
+        err = capsys.readouterr().err
+        assert "cover all 128 positions" in err and "e.g. --recent 123" in err, err
+    assert main(["eval", str(src), "--method", "rtn", "--lengths", "96", "--samples", "1", "--tasks", "ppl",
+                 "--recent", "91"]) == 0
+
+
 def test_eval_methods_parts_merge(tiny_dir, tmp_path):
     """benchmarks/eval_methods.py: parts written in separate runs make one table; other settings refuse."""
     import sys

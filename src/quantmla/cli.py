@@ -170,13 +170,16 @@ def _check_out_dir(out: str, model_dir: Path, overwrite: bool) -> Path:
     return path
 
 
-def _check_length(model, length: int) -> None:
+def _check_length(model, length: int, sink: int, recent: int) -> None:
     """Windows longer than the model's positions would calibrate or measure it where it never runs (eval and
-    serve refuse them too)."""
+    serve refuse them too); a BF16 window that covers all of them would leave nothing quantized."""
+    from quantmla.policy import check_window_fits
+
     limit = getattr(model.config.get_text_config(), "max_position_embeddings", None)
     if limit and length > limit:
         raise ValueError(f"--length {length} exceeds the model's max_position_embeddings {limit}; "
                          f"use --length {limit} or less")
+    check_window_fits(limit, sink, recent)
 
 
 # ---------------------------------------------------------------- analyze
@@ -204,7 +207,7 @@ def cmd_analyze(args) -> None:
         raise ValueError(f"--nmse must be in (0, 1), got {args.nmse}")
     console.print(f"model: {model_dir}")
     model = load_model(model_dir)
-    _check_length(model, args.length)
+    _check_length(model, args.length, args.sink, args.recent)
     layers = describe(model)
     ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size, args.length * args.samples)
     batch = token_windows(ids, args.length, args.samples)
@@ -318,7 +321,7 @@ def cmd_calibrate(args) -> None:
         from quantmla.calibrate.driver import default_length
 
         args.length = default_length(model)
-    _check_length(model, args.length)
+    _check_length(model, args.length, args.sink, args.recent)
     layers = describe(model)
     cfg = CacheConfig(content, rope, args.sink, args.recent).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
     ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size, args.length * args.samples)

@@ -81,6 +81,16 @@ def quantized_keys(q_pos: torch.Tensor, length: int, cfg: CacheConfig, fmt: Quan
     return (u[None, :] >= cfg.sink) & (u[None, :] < end[:, None])
 
 
+def check_window_fits(max_positions: int | None, sink: int, recent: int) -> None:
+    """Raises ValueError when a model of max_positions positions keeps every token in the sink + recent BF16
+    window, so that nothing it runs is ever quantized (and no longer sequence can be used instead)."""
+    if max_positions and max_positions <= sink + recent:
+        fix = f", e.g. --recent {max_positions - sink - 1}" if max_positions > sink + 1 else ""
+        raise ValueError(f"sink {sink} + recent {recent} BF16 tokens cover all {max_positions} positions of the "
+                         f"model (max_position_embeddings): no key would ever be quantized; use a --sink and "
+                         f"--recent that add up to less than {max_positions}{fix}")
+
+
 def query_positions(length: int, cfg: CacheConfig, n: int) -> torch.Tensor:
     """Up to n query positions, evenly spread over [sink + 2 recent, length) — queries that see at least
     `recent` quantized keys — or over [sink + recent, length) in sequences too short for that.

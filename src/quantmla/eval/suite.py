@@ -151,9 +151,13 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
     dc, dr = layer.kv_lora_rank, layer.rope_dim
     longest = max(settings.lengths)
     if longest <= config.sink + config.recent and any(f.kind != "bf16" for pair in config.per_layer for f in pair):
+        max_pos = getattr(model.config, "max_position_embeddings", None)
+        fix = (f"use lengths above {config.sink + config.recent}, or a smaller --recent"
+               if not max_pos or config.sink + config.recent + 1 + 32 <= max_pos  # check_lengths' 32
+               else f"use --recent {max(longest - config.sink - 1, 0)} or less (the model's {max_pos} positions "
+                    "allow no lengths that long)")
         raise ValueError(f"at {longest} tokens no key is ever quantized (sink {config.sink} + recent {config.recent} "
-                         f"stay BF16), so {label(method, args)} would measure as BF16: use lengths above "
-                         f"{config.sink + config.recent}, or a smaller --recent")
+                         f"stay BF16), so {label(method, args)} would measure as BF16: {fix}")
     result = EvalResult(
         method=label(method, args), content=_formats(config, 0), rope=_formats(config, 1), sink=config.sink,
         recent=config.recent,
