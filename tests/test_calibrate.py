@@ -325,7 +325,9 @@ def test_group_keeps_the_rank_and_clipping_ratio_it_is_given_with():
 
 @pytest.mark.parametrize("bad, message", [
     (["--budget", "0.3", "--clips", "1,0.9,1.5"], "clipping ratio must be in (0, 1], got 1.5"),
-    (["--content", "fp8"], "content fp8 has no calibration surrogate")])
+    (["--content", "fp8"], "content fp8 has no calibration surrogate"),
+    (["--clips", ","], "--clips takes comma-separated numbers, e.g. 1,0.9,0.8, got ','"),
+    (["--clips", "1,x"], "--clips takes comma-separated numbers")])
 def test_calibrate_refuses_bad_search_options_before_loading_the_model(tmp_path, capsys, monkeypatch, bad, message):
     """A clipping ratio out of range, or a format calibration cannot fit, was refused only at the first layer's
     search: after the model load and, with --budget, after every format of every layer had been scored."""

@@ -261,9 +261,12 @@ def calibration_table(reports) -> Table:
 
 def _float_list(text: str, flag: str) -> tuple[float, ...]:
     try:
-        return tuple(float(v) for v in text.split(",") if v.strip())
+        values = tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise ValueError(f"{flag} takes comma-separated numbers, e.g. 1,0.9,0.8, got {text!r}") from None
+        values = ()
+    if not values:
+        raise ValueError(f"{flag} takes comma-separated numbers, e.g. 1,0.9,0.8, got {text!r}")
+    return values
 
 
 def _formats(args):
