@@ -1,19 +1,20 @@
 """The CUDA decode kernel of the working tree against the one of another git revision, in one process.
 
-    PYTHONPATH=src python benchmarks/decode_kernel_ab.py --base REV|FILE [--variant NAME=FILE ...]
+    PYTHONPATH=src python benchmarks/decode_kernel_ab.py --base REV|FILE[.patch] [--variant NAME=FILE ...]
         [--batches 1,16,64] [--contexts 4096,16384,65536] [--formats int4/int4,int2/int4] [--heads 16]
         [--out benchmarks/results] [--prebuild]
 
 For each shape it fills one cache (decode_kernel.build), times the BF16 Triton kernel on a BF16 cache of the
-same shape, then `mla_decode_int.cu` as it was at REV (or as FILE holds it), each --variant file, and the file as
-it is now, through the same launcher (the source swapped under `mla_decode_cuda.SRC`), each checked against the fp64 reference (decode_kernel.check) and timed as
-decode_kernel.bench does (CUDA-graph replays, L2 flushed, median). A change's effect is measured on the same
-machine, caches and clocks, which a comparison across result files cannot promise. (A base whose kernel takes
-other arguments than the launcher passes, e.g. one from before the per-sequence split count (226f1b4) or
-before the protected splits' count (e48bcda), fails its check.) A variant FILE ending in `.patch` is a diff
-of the kernel source (`git diff` of `mla_decode_int.cu`; its other files are left out, so the variant runs
-under the current launcher), applied to the current source with `git apply`. Writes decode_kernel_ab.{json,md}
-(--name changes the stem). Needs a GPU, nvcc, and git for a revision or a patch.
+same shape, then `mla_decode_int.cu` as it was at REV (or as FILE holds it), each --variant file, and the file
+as it is now, through the same launcher (the source swapped under `mla_decode_cuda.SRC`), each checked against
+the fp64 reference (decode_kernel.check) and timed as decode_kernel.bench does (CUDA-graph replays, L2 flushed,
+median). A change's effect is measured on the same machine, caches and clocks, which a comparison across result
+files cannot promise. (A base whose kernel takes other arguments than the launcher passes, e.g. one from before
+the per-sequence split count (226f1b4) or before the protected splits' count (e48bcda), fails its check.) A
+FILE ending in `.patch` is a diff of the kernel source (`git diff` of `mla_decode_int.cu`; its other files are
+left out, so the variant runs under the current launcher), applied to the current source where its context
+matches exactly. Writes decode_kernel_ab.{json,md} (--name changes the stem). Needs a GPU, nvcc, and git for a
+revision.
 
 --prebuild compiles every version's cubins for --formats (sm_90, both ring depths) into the launcher's cache
 and exits, without a GPU: run it where nvcc is, carry $QUANTMLA_CACHE_DIR to the GPU machine, and the timed
@@ -27,6 +28,7 @@ import contextlib
 import datetime
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -48,19 +50,46 @@ def source_at(rev: str, path: Path) -> Path:
     return out
 
 
+def apply_patch(text: str, patch: str, name: str) -> str:
+    """text with the hunks of a unified diff (`git diff`) for the file whose path ends in `name` applied, each at
+    its line number and only where its context matches exactly (no git needed: the GPU machine may have none).
+    Raises ValueError naming the first hunk that does not apply, or when the diff has none for `name`."""
+    lines, out, pos, hunks = text.splitlines(keepends=True), [], 0, []
+    it, in_file = iter(patch.splitlines(keepends=True)), False
+    for line in it:
+        if line.startswith("+++ "):
+            in_file = line[4:].strip().split("/")[-1] == name
+        elif in_file and (m := re.match(r"@@ -(\d+)(?:,(\d+))? \+\d+(?:,(\d+))? @@", line)):
+            start, n_old = int(m.group(1)), int(m.group(2) or 1)
+            n_new, old, new = int(m.group(3) or 1), [], []
+            while len(old) < n_old or len(new) < n_new:
+                body = next(it)
+                if body.startswith("\\"):  # "\ No newline at end of file"
+                    continue
+                if body[:1] in (" ", "-"):
+                    old.append(body[1:])
+                if body[:1] in (" ", "+"):
+                    new.append(body[1:])
+            hunks.append((start - 1 if n_old else start, old, new))
+    if not hunks:
+        raise ValueError(f"no change to {name} in it")
+    for at, old, new in hunks:
+        if at < pos or lines[at:at + len(old)] != old:
+            raise ValueError(f"the hunk at line {at + 1} does not match {name} as it is now")
+        out += lines[pos:at] + new
+        pos = at + len(old)
+    return "".join(out + lines[pos:])
+
+
 def patched(patch: Path, current: Path) -> Path:
-    """The current kernel source with patch's changes to it applied (git apply), as a temporary file."""
-    root = Path(subprocess.run(["git", "rev-parse", "--show-toplevel"], capture_output=True, text=True,
-                               cwd=current.parent, check=True).stdout.strip())
-    rel = current.resolve().relative_to(root.resolve())
-    tmp = Path(tempfile.mkdtemp())
-    (tmp / rel).parent.mkdir(parents=True)
-    (tmp / rel).write_bytes(current.read_bytes())
-    res = subprocess.run(["git", "apply", f"--include={rel.as_posix()}", str(patch.resolve())],
-                         capture_output=True, text=True, cwd=tmp)
-    if res.returncode or (tmp / rel).read_bytes() == current.read_bytes():
-        sys.exit(f"{patch} does not change {rel} as it is now: {res.stderr.strip() or 'no change to it'}")
-    return tmp / rel
+    """The current kernel source with patch's changes to it applied (apply_patch), as a temporary file."""
+    try:
+        text = apply_patch(current.read_text(), patch.read_text(), current.name)
+    except ValueError as e:
+        sys.exit(f"{patch} does not apply: {e}")
+    out = Path(tempfile.mkdtemp()) / current.name
+    out.write_text(text)
+    return out
 
 
 @contextlib.contextmanager
@@ -83,7 +112,10 @@ def versions(base: str, variants: list[str]) -> dict[str, Path]:
     from quantmla.kernels import mla_decode_cuda as mdc
 
     current = mdc.SRC
-    out = {"base": Path(base) if os.path.isfile(base) else source_at(base, current)}
+    if base.endswith(".patch") and os.path.isfile(base):
+        out = {"base": patched(Path(base), current)}
+    else:
+        out = {"base": Path(base) if os.path.isfile(base) else source_at(base, current)}
     for spec in variants:
         name, _, path = spec.partition("=")
         if name in ("", "base", "current") or name in out or not os.path.isfile(path):
@@ -95,7 +127,8 @@ def versions(base: str, variants: list[str]) -> dict[str, Path]:
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--base", required=True,
-                    help="git revision whose mla_decode_int.cu is the baseline, or a path to such a file")
+                    help="git revision whose mla_decode_int.cu is the baseline, a path to such a file, or a .patch "
+                         "of the current one")
     ap.add_argument("--batches", default="1,16,64")
     ap.add_argument("--contexts", default="4096,16384,65536")
     ap.add_argument("--formats", default="int4/int4,int2/int4")

@@ -462,7 +462,7 @@ def test_bisect_patches_apply_to_the_kernel_source(tmp_path):
     text = patches[0].read_text()
     first = next(line for line in text.splitlines() if line.startswith("-") and not line.startswith("---"))
     stale.write_text(text.replace(first, first + " // a line the kernel no longer has"))
-    with pytest.raises(SystemExit, match="stale.patch does not change"):
+    with pytest.raises(SystemExit, match="stale.patch does not apply: the hunk at line"):
         mod.patched(stale, mdc.SRC)
 
 
