@@ -18,7 +18,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from quantmla.config import DEFAULT_GROUP, FORMAT_KINDS, QuantFormat
+from quantmla.config import KINDS, QuantFormat
 from quantmla.quant.formats import (
     FP8_MAX,
     Packed,
@@ -129,7 +129,7 @@ def test_bf16_is_a_passthrough():
 # --- byte accounting -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kind", FORMAT_KINDS)
+@pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("dim", [64, 128, 512, 576])
 @pytest.mark.parametrize("group", [-1, 16, 32, 64])
 def test_bytes_per_token_is_what_is_stored(kind, dim, group):
@@ -213,7 +213,7 @@ def test_bad_format_names_raise(spec):
 
 
 @FAST
-@given(kind=st.sampled_from(FORMAT_KINDS), group=st.sampled_from([-1, 0, 8, 32, 64, 128]))
+@given(kind=st.sampled_from(list(KINDS)), group=st.sampled_from([-1, 0, 8, 32, 64, 128]))
 def test_parse_round_trips_str(kind, group):
     if (kind.startswith("int") or kind == "fp4") and group == 0:
         return  # rejected, covered above
@@ -221,7 +221,7 @@ def test_parse_round_trips_str(kind, group):
     assert QuantFormat.parse(str(fmt)) == fmt
     assert QuantFormat.parse(str(fmt).upper()) == fmt
     assert str(fmt) == kind or str(fmt) == f"{kind}:{fmt.group}"
-    assert fmt.group == (DEFAULT_GROUP[kind] if group == -1 else 0 if kind == "bf16" else group)
+    assert fmt.group == (KINDS[kind].default_group if group == -1 else 0 if kind == "bf16" else group)
 
 
 # --- ranked formats ------------------------------------------------------------------------------------

@@ -8,13 +8,31 @@ from __future__ import annotations
 import numbers
 from dataclasses import dataclass, field, replace
 
-FORMAT_KINDS = ("bf16", "fp8", "int8", "int4", "int2", "fp4", "lm4", "lm3", "lm2")
-BITS = {"bf16": 16, "fp8": 8, "int8": 8, "int4": 4, "int2": 2, "fp4": 4, "lm4": 4, "lm3": 3, "lm2": 2}
-# Default channels per scale group. fp8 uses 128 like FlashMLA's 656-byte row; the integer formats 64;
-# fp4 16 as NVFP4's blocks; the codebook formats 0 = one norm per token over the whole path (TurboQuant).
-DEFAULT_GROUP = {"bf16": 0, "fp8": 128, "int8": 64, "int4": 64, "int2": 64, "fp4": 16, "lm4": 0, "lm3": 0,
-                 "lm2": 0}
-CODEBOOK_KINDS = ("lm4", "lm3", "lm2")
+
+@dataclass(frozen=True)
+class Kind:
+    """What a format kind is: its bits per code, its default channels per scale group, and its family, which
+    picks the quantizer in `quant.formats` (int: asymmetric code * scale + zero; fp8; fp4: e2m1 with e4m3
+    block scales; codebook: Lloyd-Max levels times a per-group rms; bf16: the values themselves)."""
+
+    bits: int
+    default_group: int
+    family: str
+
+
+# Default groups: fp8 128 like FlashMLA's 656-byte row; the integer kinds 64; fp4 16 as NVFP4's blocks; the
+# codebook kinds 0 = one norm per token over the whole path (TurboQuant).
+KINDS = {
+    "bf16": Kind(16, 0, "bf16"),
+    "fp8": Kind(8, 128, "fp8"),
+    "int8": Kind(8, 64, "int"),
+    "int4": Kind(4, 64, "int"),
+    "int2": Kind(2, 64, "int"),
+    "fp4": Kind(4, 16, "fp4"),
+    "lm4": Kind(4, 0, "codebook"),
+    "lm3": Kind(3, 0, "codebook"),
+    "lm2": Kind(2, 0, "codebook"),
+}
 # Tokens per block of a token-axis (KIVI-style) format spelled without a count, e.g. `int4:t`.
 DEFAULT_TOKEN_GROUP = 32
 ROPE_ROTATIONS = ("", "hadamard")
@@ -53,15 +71,15 @@ class QuantFormat:
     rank: int = 0
 
     def __post_init__(self):
-        if self.kind not in FORMAT_KINDS:
-            raise ValueError(f"unknown cache format {self.kind!r}; supported: {', '.join(FORMAT_KINDS)}")
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown cache format {self.kind!r}; supported: {', '.join(KINDS)}")
         if self.group == -1:
-            object.__setattr__(self, "group", DEFAULT_GROUP[self.kind])
+            object.__setattr__(self, "group", KINDS[self.kind].default_group)
         if self.group < 0:
             raise ValueError(f"group size must be >= 0, got {self.group}")
         if self.kind == "bf16" and self.group != 0:
             object.__setattr__(self, "group", 0)
-        if (self.kind.startswith("int") or self.kind == "fp4") and self.group == 0:
+        if self.family in ("int", "fp4") and self.group == 0:
             raise ValueError(f"{self.kind} needs a group size > 0 (channels per scale)")
         if self.axis not in ("channel", "token"):
             raise ValueError(f"axis must be 'channel' or 'token', got {self.axis!r}")
@@ -80,11 +98,15 @@ class QuantFormat:
 
     @property
     def bits(self) -> int:
-        return BITS[self.kind]
+        return KINDS[self.kind].bits
+
+    @property
+    def family(self) -> str:
+        return KINDS[self.kind].family
 
     @property
     def is_integer(self) -> bool:
-        return self.kind.startswith("int")
+        return self.family == "int"
 
     def stored(self, dim: int) -> int:
         """Channels of a `dim`-channel path this format stores: its rank, or all of them."""
@@ -139,7 +161,7 @@ class QuantFormat:
             return self
         if self.group > dim:
             return QuantFormat(self.kind, dim, clip=self.clip)
-        if dim % self.group and self.group == DEFAULT_GROUP[self.kind] and self.kind != "fp4":  # NVFP4: 16
+        if dim % self.group and self.group == KINDS[self.kind].default_group and self.kind != "fp4":  # NVFP4: 16
             fits = dim & -dim  # the largest power of two dividing dim
             if fits >= 8:
                 return QuantFormat(self.kind, min(fits, self.group), clip=self.clip)
@@ -150,7 +172,7 @@ class QuantFormat:
         rank = f"r{self.rank}" if self.rank else ""
         if self.axis == "token":
             return f"{self.kind}:t{self.group}{clip}"
-        if self.kind == "bf16" or self.group == DEFAULT_GROUP[self.kind]:
+        if self.kind == "bf16" or self.group == KINDS[self.kind].default_group:
             return self.kind + rank + clip
         return f"{self.kind}:{self.group}{rank}{clip}"
 

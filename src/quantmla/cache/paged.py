@@ -53,7 +53,7 @@ import torch
 
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.policy import block_of, block_start, quantized_end, ring_size
-from quantmla.quant.formats import Packed, dequantize, quantize
+from quantmla.quant.formats import Packed, dequantize, fields, quantize
 
 PAGED_KINDS = ("bf16", "fp8", "int8", "int4", "int2")  # what the pools and the decode kernel read
 
@@ -127,20 +127,14 @@ class PagedPath:
 
 def _alloc_path(fmt: QuantFormat, dim: int, num_blocks: int, block_size: int, device, fill,
                 dtype=torch.bfloat16) -> PagedPath:
-    lead = (num_blocks, block_size)
-    if fmt.kind == "bf16":
-        return PagedPath(fmt, dim, torch.full((*lead, dim), fill, dtype=dtype, device=device))
-    stored = fmt.stored(dim)  # a ranked format's pools hold its first `rank` channels only
-    codes = torch.zeros((*lead, stored * fmt.bits // 8), dtype=torch.uint8, device=device)
-    if fill != 0:
-        codes.fill_(0xFF)  # 0xFF is NaN in e4m3 and the top code for integers
-    if fmt.kind == "fp8":
-        scale = torch.full((*lead, dim // fmt.group), fill, device=device) if fmt.group else None
-        return PagedPath(fmt, dim, codes, scale)
-    shape = (num_blocks, block_size // fmt.group, dim) if fmt.axis == "token" else (*lead, stored // fmt.group)
-    scale = torch.full(shape, fill, dtype=torch.float16, device=device)
-    zero = torch.full(shape, fill, dtype=torch.float16, device=device)
-    return PagedPath(fmt, dim, codes, scale, zero)
+    pools = []
+    for f in fields(fmt, dim):  # a ranked format's pools hold its first `rank` channels only
+        shape = (num_blocks, block_size // f.tokens, f.width)
+        if f.name == "codes" and f.dtype == torch.uint8:  # 0xFF is NaN in e4m3 and the top code for integers
+            pools.append(torch.full(shape, 0 if fill == 0 else 0xFF, dtype=torch.uint8, device=device))
+        else:
+            pools.append(torch.full(shape, fill, dtype=dtype if fmt.kind == "bf16" else f.dtype, device=device))
+    return PagedPath(fmt, dim, *pools)
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,9 @@ def _first_layer_inputs(model, input_ids):
     return got["hidden"], kwargs
 
 
-# Formats whose quantizer the calibration surrogate models (group min/max scale, straight-through rounding).
-CALIBRATED_KINDS = ("bf16", "int8", "int4", "int2")
+# Format families whose quantizer the calibration surrogate (`fake_quantize_ste`) models: group min/max scale,
+# straight-through rounding. The others' gradients pass the quantization error straight through.
+CALIBRATED_FAMILIES = ("bf16", "int")
 
 # Tokens per calibration sequence unless asked otherwise. With recent=128, queries of 512-token sequences see
 # at most ~380 quantized keys, all near them; 2048-token sequences show the objective the far, many-key regime
@@ -104,7 +105,7 @@ def default_length(model, length: int = LENGTH) -> int:
 def check_calibratable(cfg: CacheConfig) -> None:
     """Raise for a format calibration has no honest surrogate for (fp8, fp4, the codebooks)."""
     for path, fmt in ((p, f) for pair in cfg.per_layer for p, f in zip(("content", "rope"), pair)):
-        if fmt.kind not in CALIBRATED_KINDS:
+        if fmt.family not in CALIBRATED_FAMILIES:
             raise ValueError(f"quantmla calibrates integer formats (int8, int4, int2, channel or token groups) "
                              f"and bf16; {path} {fmt} has no calibration surrogate yet (its gradient would "
                              "ignore the quantization error)")

@@ -47,7 +47,7 @@ from quantmla.calibrate.content import random_hadamard
 from quantmla.calibrate.driver import default_length
 from quantmla.calibrate.export import SECTION
 from quantmla.calibrate.smooth import smooth_scales
-from quantmla.config import CODEBOOK_KINDS, CacheConfig, QuantFormat
+from quantmla.config import CacheConfig, QuantFormat
 from quantmla.data import encode, read_text, token_windows, tokenizer_for
 from quantmla.mla import absorb_queries, project_cache, project_queries, split_kv_b
 from quantmla.models.adapters import MLALayer, attention_module, describe
@@ -94,7 +94,7 @@ def _rotate_content(model: nn.Module, seed: int = ROTATION_SEED) -> nn.Module:
 
 
 def turboquant(model: nn.Module, args) -> tuple[nn.Module, CacheConfig]:
-    if args.content is not None and QuantFormat.parse(args.content).kind not in CODEBOOK_KINDS:
+    if args.content is not None and QuantFormat.parse(args.content).family != "codebook":
         raise _refuse("turboquant", "content", args.content, "a Lloyd-Max codebook: lm3 (also lm2, lm4)")
     if args.rope is not None and QuantFormat.parse(args.rope).kind != "bf16":
         raise _refuse("turboquant", "rope", args.rope, "bf16")

@@ -21,17 +21,22 @@ rank stores a k-channel path (bytes: that of k channels); channels [k, dim) are 
 Token-axis integer formats (QuantFormat.axis == "token", KIVI-style) quantize x [..., n, dim] with n a
 multiple of the block of g tokens: codes uint8 [..., n, dim*bits/8] packed along channels as above; scale,
 zero fp16 [..., n/g, dim], one per channel and block   -> dim*bits/8 + 4*dim/g bytes per token on average.
+Each family's quantizer, dequantizer and tensor list (`fields`, from which bytes_per_token and the paged and
+vLLM pools follow) is one `Codec` in CODECS. A new kind of an existing family is one `Kind` in config.KINDS;
+a new family adds its `Codec` here.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
+from fractions import Fraction
 from functools import lru_cache
 
 import torch
 
-from quantmla.config import CODEBOOK_KINDS, QuantFormat
+from quantmla.config import QuantFormat
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 E4M3_MIN = 2.0**-9  # smallest positive (subnormal) float8_e4m3fn: the smallest fp4 block scale
@@ -125,8 +130,8 @@ def _e4m3_at_least(s: torch.Tensor) -> torch.Tensor:
     return bits + (bits.view(torch.float8_e4m3fn).float() < s).to(torch.uint8)
 
 
-def _quantize_fp4(x: torch.Tensor, group: int, checked: bool = True) -> Packed:
-    g = x.float().unflatten(-1, (-1, group))
+def _quantize_fp4(x: torch.Tensor, fmt: QuantFormat, what: str, checked: bool) -> Packed:
+    g = x.float().unflatten(-1, (-1, fmt.group))
     amax = g.abs().amax(-1)
     if checked and (amax > FP4_MAX * FP8_MAX).any():
         raise ValueError(f"cannot quantize to fp4: |x| > {FP4_MAX * FP8_MAX:g} exceeds the e4m3 block scales")
@@ -140,11 +145,11 @@ def _quantize_fp4(x: torch.Tensor, group: int, checked: bool = True) -> Packed:
     return Packed(pack_bits(codes.flatten(-2), 4), scale)
 
 
-def _dequantize_fp4(p: Packed, group: int) -> torch.Tensor:
+def _dequantize_fp4(p: Packed, fmt: QuantFormat) -> torch.Tensor:
     codes = unpack_bits(p.codes, 4).long()
     vals = torch.tensor(FP4_VALUES, device=codes.device)[codes & 7] * (1 - 2 * (codes >> 3)).float()
     scale = p.scale.view(torch.float8_e4m3fn).float().unsqueeze(-1)
-    return (vals.unflatten(-1, (-1, group)) * scale).flatten(-2)
+    return (vals.unflatten(-1, (-1, fmt.group)) * scale).flatten(-2)
 
 
 def _phi(x: float) -> float:
@@ -175,7 +180,7 @@ def _rms_scale(g: torch.Tensor, checked: bool = True) -> torch.Tensor:
     return rms.clamp_min(2**-24).half()
 
 
-def _quantize_codebook(x: torch.Tensor, fmt: QuantFormat, checked: bool = True) -> Packed:
+def _quantize_codebook(x: torch.Tensor, fmt: QuantFormat, what: str, checked: bool) -> Packed:
     g = x.float().unflatten(-1, (-1, fmt.group or x.shape[-1]))
     scale = _rms_scale(g, checked)
     _, thresholds = lloyd_max_gaussian(fmt.bits)
@@ -189,7 +194,7 @@ def _dequantize_codebook(p: Packed, fmt: QuantFormat) -> torch.Tensor:
     return (vals.unflatten(-1, (-1, vals.shape[-1] // p.scale.shape[-1])) * p.scale.float().unsqueeze(-1)).flatten(-2)
 
 
-def _quantize_tokens(x: torch.Tensor, fmt: QuantFormat, what: str, checked: bool = True) -> Packed:
+def _quantize_tokens(x: torch.Tensor, fmt: QuantFormat, what: str, checked: bool) -> Packed:
     """KIVI-style: each channel grouped over blocks of fmt.group tokens (dim -2)."""
     if x.dim() < 2 or x.shape[-2] % fmt.group:
         raise ValueError(f"cannot quantize {what} as {fmt}: needs a multiple of {fmt.group} tokens along dim -2, "
@@ -208,67 +213,136 @@ def _dequantize_tokens(p: Packed, fmt: QuantFormat) -> torch.Tensor:
     return out.flatten(-3, -2)
 
 
+def _quantize_int(x: torch.Tensor, fmt: QuantFormat, what: str, checked: bool) -> Packed:
+    scale, zero = _int_scale_zero(x, fmt.bits, fmt.group, checked, fmt.clip)
+    g = x.float().unflatten(-1, (-1, fmt.group))
+    codes = ((g - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, 2**fmt.bits - 1)
+    return Packed(pack_bits(codes.flatten(-2), fmt.bits), scale, zero)
+
+
+def _dequantize_int(p: Packed, fmt: QuantFormat) -> torch.Tensor:
+    codes = unpack_bits(p.codes, fmt.bits).float().unflatten(-1, (-1, fmt.group))
+    out = codes * p.scale.float().unsqueeze(-1) + p.zero.float().unsqueeze(-1)
+    return out.flatten(-2)
+
+
+def _quantize_fp8(x: torch.Tensor, fmt: QuantFormat, what: str, checked: bool) -> Packed:
+    if fmt.group == 0:
+        return Packed(x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
+    g = x.float().unflatten(-1, (-1, fmt.group))
+    scale = (g.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
+    codes = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return Packed(codes.view(torch.uint8).flatten(-2), scale)
+
+
+def _dequantize_fp8(p: Packed, fmt: QuantFormat) -> torch.Tensor:
+    vals = p.codes.view(torch.float8_e4m3fn).float()
+    if fmt.group == 0:
+        return vals
+    return (vals.unflatten(-1, (-1, fmt.group)) * p.scale.unsqueeze(-1)).flatten(-2)
+
+
+@dataclass(frozen=True)
+class Field:
+    """One tensor of a `Packed`, as rows: `width` elements of `dtype` per row, a row per `tokens` tokens (1;
+    a token-axis format's scale and zero: one row per block of fmt.group tokens)."""
+
+    name: str  # "codes", "scale" or "zero": the Packed attribute
+    dtype: torch.dtype
+    width: int
+    tokens: int = 1
+
+
+def _int_fields(fmt: QuantFormat, dim: int) -> list[Field]:
+    return [Field("codes", torch.uint8, dim * fmt.bits // 8), Field("scale", torch.float16, dim // fmt.group),
+            Field("zero", torch.float16, dim // fmt.group)]
+
+
+def _token_fields(fmt: QuantFormat, dim: int) -> list[Field]:
+    return [Field("codes", torch.uint8, dim * fmt.bits // 8), Field("scale", torch.float16, dim, fmt.group),
+            Field("zero", torch.float16, dim, fmt.group)]
+
+
+def _fp8_fields(fmt: QuantFormat, dim: int) -> list[Field]:
+    scale = [Field("scale", torch.float32, dim // fmt.group)] if fmt.group else []
+    return [Field("codes", torch.uint8, dim), *scale]
+
+
+def _fp4_fields(fmt: QuantFormat, dim: int) -> list[Field]:
+    return [Field("codes", torch.uint8, dim // 2), Field("scale", torch.uint8, dim // fmt.group)]
+
+
+def _codebook_fields(fmt: QuantFormat, dim: int) -> list[Field]:
+    return [Field("codes", torch.uint8, dim * fmt.bits // 8),
+            Field("scale", torch.float16, dim // fmt.group if fmt.group else 1)]
+
+
+def _quantize_bf16(x: torch.Tensor, fmt: QuantFormat, what: str, checked: bool) -> Packed:
+    return Packed(x)  # passthrough: the protected precision is whatever the model computes in
+
+
+def _dequantize_bf16(p: Packed, fmt: QuantFormat) -> torch.Tensor:
+    return p.codes
+
+
+def _bf16_fields(fmt: QuantFormat, dim: int) -> list[Field]:
+    return [Field("codes", torch.bfloat16, dim)]  # when serving; a CPU model may keep fp32 (`PagedMLACache`)
+
+
+@dataclass(frozen=True)
+class Codec:
+    """The numerics of one format family. quantize(x [..., dim] finite, fmt, what, checked) -> Packed;
+    dequantize(Packed, fmt) -> float32 [..., dim] (bf16: the stored values as they are); fields(fmt, dim) ->
+    the Packed's tensors in order (the byte layouts of the module docstring). dim: the stored channels."""
+
+    quantize: Callable[[torch.Tensor, QuantFormat, str, bool], Packed]
+    dequantize: Callable[[Packed, QuantFormat], torch.Tensor]
+    fields: Callable[[QuantFormat, int], list[Field]]
+
+
+CODECS = {  # by QuantFormat.family
+    "bf16": Codec(_quantize_bf16, _dequantize_bf16, _bf16_fields),
+    "int": Codec(_quantize_int, _dequantize_int, _int_fields),
+    "fp8": Codec(_quantize_fp8, _dequantize_fp8, _fp8_fields),
+    "fp4": Codec(_quantize_fp4, _dequantize_fp4, _fp4_fields),
+    "codebook": Codec(_quantize_codebook, _dequantize_codebook, _codebook_fields),
+}
+TOKEN_AXIS = Codec(_quantize_tokens, _dequantize_tokens, _token_fields)  # integer kinds grouped along tokens
+
+
+def codec(fmt: QuantFormat) -> Codec:
+    return TOKEN_AXIS if fmt.axis == "token" else CODECS[fmt.family]
+
+
+def fields(fmt: QuantFormat, dim: int) -> list[Field]:
+    """The tensors `quantize` stores for a `dim`-channel path, in Packed order (a ranked format: its rank's)."""
+    return codec(fmt).fields(fmt, fmt.stored(dim))
+
+
 def quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor", checked: bool = True) -> Packed:
     """Quantize along the last dim (token-axis formats: along dim -2, in blocks of fmt.group tokens).
     Raises ValueError on NaN/Inf, on values beyond the range of the scales, or on a group that does not
     divide the dim. checked=False skips the value checks, which read the data on the host (a device sync):
-    for a CUDA graph's decode step, where the caller vouches for its input; NaN then yields garbage codes."""
+    for a CUDA graph's decode step, where the caller vouches for its input; NaN then yields garbage codes.
+    bf16 is a passthrough and checks nothing."""
     fmt.check_dim(x.shape[-1], what)
     if fmt.rank:
         x = x[..., : fmt.rank]
-    if fmt.kind == "bf16":
-        return Packed(x)  # passthrough: the protected precision is whatever the model computes in
-    if checked:
+    if checked and fmt.kind != "bf16":
         check_finite(x, what)
-    if fmt.axis == "token":
-        return _quantize_tokens(x, fmt, what, checked)
-    if fmt.kind == "fp4":
-        return _quantize_fp4(x, fmt.group, checked)
-    if fmt.kind in CODEBOOK_KINDS:
-        return _quantize_codebook(x, fmt, checked)
-    if fmt.kind == "fp8":
-        if fmt.group == 0:
-            return Packed(x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(torch.uint8))
-        g = x.float().unflatten(-1, (-1, fmt.group))
-        scale = (g.abs().amax(-1) / FP8_MAX).clamp_min(1e-12)
-        codes = (g / scale.unsqueeze(-1)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-        return Packed(codes.view(torch.uint8).flatten(-2), scale)
-    bits = fmt.bits
-    scale, zero = _int_scale_zero(x, bits, fmt.group, checked, fmt.clip)
-    g = x.float().unflatten(-1, (-1, fmt.group))
-    codes = ((g - zero.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).round_().clamp_(0, 2**bits - 1)
-    return Packed(pack_bits(codes.flatten(-2), bits), scale, zero)
+    return codec(fmt).quantize(x, fmt, what, checked)
 
 
 def dequantize(p: Packed, fmt: QuantFormat, dtype: torch.dtype = torch.float32, dim: int | None = None
                ) -> torch.Tensor:
     """Inverse of quantize (up to rounding), returned in `dtype`. dim: the path's channels, needed for a ranked
     format (its unstored channels [rank, dim) come back as zeros)."""
+    x = codec(fmt).dequantize(p, fmt).to(dtype)
     if not fmt.rank:
-        return _dequantize(p, fmt, dtype)
+        return x
     if dim is None:
         raise ValueError(f"dequantizing the ranked format {fmt} needs the path's width (dim=)")
-    x = _dequantize(p, fmt, dtype)
     return torch.nn.functional.pad(x, (0, dim - x.shape[-1]))
-
-
-def _dequantize(p: Packed, fmt: QuantFormat, dtype: torch.dtype) -> torch.Tensor:
-    if fmt.kind == "bf16":
-        return p.codes.to(dtype)
-    if fmt.axis == "token":
-        return _dequantize_tokens(p, fmt).to(dtype)
-    if fmt.kind == "fp4":
-        return _dequantize_fp4(p, fmt.group).to(dtype)
-    if fmt.kind in CODEBOOK_KINDS:
-        return _dequantize_codebook(p, fmt).to(dtype)
-    if fmt.kind == "fp8":
-        vals = p.codes.view(torch.float8_e4m3fn).float()
-        if fmt.group == 0:
-            return vals.to(dtype)
-        return (vals.unflatten(-1, (-1, fmt.group)) * p.scale.unsqueeze(-1)).flatten(-2).to(dtype)
-    codes = unpack_bits(p.codes, fmt.bits).float().unflatten(-1, (-1, fmt.group))
-    out = codes * p.scale.float().unsqueeze(-1) + p.zero.float().unsqueeze(-1)
-    return out.flatten(-2).to(dtype)
 
 
 def fake_quantize(x: torch.Tensor, fmt: QuantFormat, what: str = "tensor") -> torch.Tensor:
@@ -280,19 +354,10 @@ def bytes_per_token(fmt: QuantFormat, dim: int) -> int | float:
     """Exact bytes one token of a `dim`-channel path occupies in this format, scales included.
     Token-axis formats: the average over a block of fmt.group tokens (a float when it is not whole)."""
     fmt.check_dim(dim)
-    dim = fmt.stored(dim)
-    if fmt.kind == "bf16":
-        return 2 * dim
-    if fmt.axis == "token":
-        scales = 4 * dim / fmt.group
-        return dim * fmt.bits // 8 + (int(scales) if scales.is_integer() else scales)
-    if fmt.kind == "fp4":
-        return dim // 2 + dim // fmt.group
-    if fmt.kind in CODEBOOK_KINDS:
-        return dim * fmt.bits // 8 + 2 * (dim // fmt.group if fmt.group else 1)
-    if fmt.kind == "fp8":
-        return dim + (4 * dim // fmt.group if fmt.group else 0)
-    return dim * fmt.bits // 8 + 4 * (dim // fmt.group)
+    per_token = fields(fmt, dim)
+    whole = sum(f.width * f.dtype.itemsize for f in per_token if f.tokens == 1)
+    shared = sum(Fraction(f.width * f.dtype.itemsize, f.tokens) for f in per_token if f.tokens > 1)
+    return whole + (int(shared) if shared.denominator == 1 else float(shared))
 
 
 def fake_quantize_ste(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
@@ -311,7 +376,7 @@ def fake_quantize_ste(x: torch.Tensor, fmt: QuantFormat) -> torch.Tensor:
     if fmt.axis == "token":  # the same quantizer along tokens: x [..., n, dim], n whole blocks
         return fake_quantize_ste(x.transpose(-1, -2), QuantFormat(fmt.kind, fmt.group, clip=fmt.clip)
                                  ).transpose(-1, -2)
-    if fmt.kind == "fp8" or fmt.kind == "fp4" or fmt.kind in CODEBOOK_KINDS:
+    if fmt.family != "int":
         return x + (fake_quantize(x.detach(), fmt) - x).detach()  # plain straight-through
     qmax = 2**fmt.bits - 1
     g = x.unflatten(-1, (-1, fmt.group))

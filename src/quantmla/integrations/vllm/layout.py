@@ -29,23 +29,18 @@ import torch
 
 from quantmla.cache.paged import PagedMLACache, PagedPath
 from quantmla.config import CacheConfig, QuantFormat
+from quantmla.quant.formats import fields
 
 _ALIGN = 4
 
 
 def _fields(fmt: QuantFormat, dim: int) -> list[tuple[str, torch.dtype, int]]:
     """(name, dtype, elements per token) of one path's pool tensors, in `PagedPath` order."""
-    if fmt.kind == "bf16":
-        return [("codes", torch.bfloat16, dim)]
     if fmt.axis == "token":
         raise ValueError(f"quantmla's vLLM backend stores one packed row per token; the token-axis format {fmt} "
                          "keeps its scales per block of tokens (served by `quantmla serve` only; for vLLM "
                          "calibrate without `--token-axis`)")
-    dim = fmt.stored(dim)  # a ranked format's row holds its leading `rank` channels only
-    codes = ("codes", torch.uint8, dim * fmt.bits // 8)
-    if fmt.kind == "fp8":
-        return [codes, ("scale", torch.float32, dim // fmt.group)] if fmt.group else [codes]
-    return [codes, ("scale", torch.float16, dim // fmt.group), ("zero", torch.float16, dim // fmt.group)]
+    return [(f.name, f.dtype, f.width) for f in fields(fmt, dim)]
 
 
 def _plan(cfg: CacheConfig, kv_lora_rank: int, rope_dim: int):
