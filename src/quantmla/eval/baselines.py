@@ -267,3 +267,4 @@ def quantmla_channels(model: nn.Module, args) -> tuple[nn.Module, CacheConfig]:
 
 BASELINES = {"fp4": fp4, "turboquant": turboquant, "kivi": kivi, "quarot": quarot, "smoothquant": smoothquant,
              "quantmla": quantmla, "quantmla-t": quantmla_token_axis, "quantmla-c": quantmla_channels}
+BUDGETED = ("quantmla", "quantmla-t", "quantmla-c")  # the methods that read MethodArgs.budget

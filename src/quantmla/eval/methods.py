@@ -13,7 +13,7 @@ Methods available now (the baselines the README lists under "Quality"):
                no protected tokens
   rtn          round-to-nearest on both paths (default int4/int4, group 64), sink 4 + recent 128 in BF16
   rtn-content  round-to-nearest content, RoPE left BF16, same protected tokens
-  fp4, turboquant, kivi, quarot, smoothquant, quantmla: see `eval/baselines.py`
+and the methods of `eval/baselines.py` (BASELINES).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from torch import nn
 
 from quantmla.calibrate.budget import check_budget
 from quantmla.config import CacheConfig, QuantFormat
-from quantmla.eval.baselines import BASELINES
+from quantmla.eval.baselines import BASELINES, BUDGETED, RECENT, SINK
 from quantmla.models.adapters import describe
 
 
@@ -79,12 +79,12 @@ def _fixed(name: str, content: str, rope: str) -> Callable:
 
 def rtn(model: nn.Module, args: MethodArgs) -> tuple[nn.Module, CacheConfig]:
     return model, CacheConfig(_pick(args.content, "int4"), _pick(args.rope, "int4"),
-                              _pick(args.sink, 4), _pick(args.recent, 128))
+                              _pick(args.sink, SINK), _pick(args.recent, RECENT))
 
 
 def rtn_content(model: nn.Module, args: MethodArgs) -> tuple[nn.Module, CacheConfig]:
     _fixed_formats("rtn-content", args, args.content or "int4", "bf16")
-    return model, CacheConfig(_pick(args.content, "int4"), "bf16", _pick(args.sink, 4), _pick(args.recent, 128))
+    return model, CacheConfig(_pick(args.content, "int4"), "bf16", _pick(args.sink, SINK), _pick(args.recent, RECENT))
 
 
 METHODS: dict[str, Callable[[nn.Module, MethodArgs], tuple[nn.Module, CacheConfig]]] = {
@@ -95,9 +95,6 @@ METHODS: dict[str, Callable[[nn.Module, MethodArgs], tuple[nn.Module, CacheConfi
     "rtn-content": rtn_content,
     **BASELINES,
 }
-
-
-BUDGETED = ("quantmla", "quantmla-t", "quantmla-c")  # the methods that read MethodArgs.budget
 
 
 def check_method(name: str, args: MethodArgs) -> None:
