@@ -242,8 +242,8 @@ class QuantMLALayer(DynamicLayer):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_shapes(key_states, value_states)
-        # Both paths are checked before either stores: a refused call (NaN in k_pe) used to leave the content
-        # path one call ahead of the rope path, so later calls returned histories of different lengths.
+        # Both paths are checked before either stores, so a refused call (NaN in k_pe) leaves neither path a
+        # call ahead of the other (later calls would return histories of different lengths).
         self.content.check(key_states)
         self.rope.check(value_states)
         return (self.content.append(key_states, self.config, checked=True),
@@ -312,8 +312,8 @@ class QuantMLACache(Cache):
     """
 
     def __init__(self, config: CacheConfig = CacheConfig(), num_layers: int | None = None):
-        # Refused here: the layers read it lazily, so a wrong type used to fail inside the model's forward as
-        # "'NoneType' object has no attribute 'at'" (None: cache_config_of on a checkpoint never calibrated).
+        # Refused here: the layers read it lazily, so a wrong type would fail only inside the model's forward
+        # (None: cache_config_of on a checkpoint never calibrated).
         if not isinstance(config, CacheConfig):
             hint = (" (cache_config_of returns None for a checkpoint without a quantmla section: one that "
                     "`quantmla calibrate` did not write)" if config is None else "")

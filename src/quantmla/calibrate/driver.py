@@ -91,8 +91,7 @@ CALIBRATED_FAMILIES = ("bf16", "int")
 
 # Tokens per calibration sequence unless asked otherwise. With recent=128, queries of 512-token sequences see
 # at most ~380 quantized keys, all near them; 2048-token sequences show the objective the far, many-key regime
-# a long context serves, and on the default model cut INT4/INT4's held-out KL at 2 K by 3.8x (its tails most:
-# benchmarks/results/kl_tails.md) for ~3.4x the CPU time.
+# a long context serves, which lowers held-out KL at more CPU time (benchmarks/results/kl_tails.md).
 LENGTH = 2048
 
 

@@ -49,8 +49,7 @@ def ranked_formats(base: QuantFormat, dim: int) -> list[QuantFormat]:
 class SearchSpace:
     """clips: clipping ratios tried per path and layer (1.0: none). token_axis: also KIVI-style blocks of
     `kivi_tokens` tokens at the same bits (opt-in: the engine serves them on the CPU and GPU, but the GPU
-    kernel reads them slowly: a token-axis RoPE path 0.55-0.58x the bf16 kernel, a token-axis content path
-    0.13-0.33x (benchmarks/results/decode_kernel_token_axis.md); not the vLLM plugin).
+    kernel reads them slowly, benchmarks/results/decode_kernel_token_axis.md; not the vLLM plugin).
     ranked: on the content path also ranked formats of no more bytes (`ranked_formats`; channel formats,
     served everywhere; on the GPU only the Triton decode kernel reads them).
     rope_judge: what the RoPE path's points are scored on, "output" (the attention output, as the content

@@ -65,11 +65,10 @@ The fragment index maps are mirrored in plain torch (`emulate_scores_fragment`, 
 `DENORM=False` (env QUANTMLA_GLUON_DENORM=0, or denorm=False) replaces the subnormal scores fragments by
 (1024 + code) - 1024 (exact, 4 more f16x2 subtractions per word), should a device flush fp16 subnormals in wgmma.
 
-Status: opt-in. On an H200 (benchmarks/results/decode_kernel_gluon_prot.md) it passes the GPU tests with ~30x
-less error than the Triton INT4 kernel (scores from exact codes and fp32 scales) and is faster than it where
-each CTA has many tiles (B=64: 0.94x the BF16 kernel at 16 K, 1.00x at 64 K; Triton 0.84-0.85x), slower where
-it has few (B <= 16 at <= 16 K, B=1). Queries and protected rows go to the tensor cores in fp16 (Triton's kernel:
-bf16), so values beyond fp16's range (65504) would overflow here. Offline SASS counts per loop:
+Status: opt-in. Scores come from exact codes and fp32 scales; where it is faster than the Triton INT4 kernel
+(many tiles per CTA) and slower, and its error against it: benchmarks/results/decode_kernel_gluon_prot.md.
+Queries and protected rows go to the tensor cores in fp16 (Triton's kernel: bf16), so values beyond fp16's
+range (65504) would overflow here. Offline SASS counts per loop:
 `python benchmarks/kernel_sass.py --kernel gluon` (no GPU needed).
 """
 
