@@ -521,7 +521,7 @@ class PagedMLACache:
 
 
 def make_block_tables(
-    seq_lens: list[int], block_size: int, num_blocks: int | None = None, shuffle: bool = True, generator=None
+    seq_lens: list[int], block_size: int, num_blocks: int | None = None, generator=None
 ) -> tuple[torch.Tensor, int]:
     """Give each sequence the blocks it needs, disjoint, in shuffled pool order (a stand-in for the engine's
     block manager in tests and benchmarks). Returns (block_tables [B, max_blocks] int32, blocks used).
@@ -531,7 +531,7 @@ def make_block_tables(
     num_blocks = total if num_blocks is None else num_blocks
     if total > num_blocks:
         raise ValueError(f"need {total} blocks, pool has {num_blocks}")
-    order = torch.randperm(num_blocks, generator=generator) if shuffle else torch.arange(num_blocks)
+    order = torch.randperm(num_blocks, generator=generator)
     table = torch.full((len(seq_lens), max(need)), -1, dtype=torch.int32)
     start = 0
     for i, k in enumerate(need):
