@@ -300,6 +300,22 @@ def test_text_stream_holds_back_split_utf8_and_stop_prefixes(served):
     assert deltas[-2] == "" and deltas[-1] == "= 1"
 
 
+@pytest.mark.parametrize("stop", [("y",), ("y = 2\nz", "2")])
+def test_text_stream_stops_at_the_same_token_in_any_chunking(served, stop):
+    """The text and the token count (the usage's completion_tokens) end at the token that completes a stop
+    string, however the tokens arrive: a handler that fell behind pushes several at once. They counted every
+    token of the push, and a stop that a later token completes could win over one an earlier token did."""
+    tok = served.llm.tokenizer
+    ids = tok.encode("x = 1\ny = 2\nz = 3\n", add_special_tokens=False)
+    one = TextStream(tok, stop=stop)
+    text = "".join(feed(one, ids))
+    assert one.stopped and 0 < len(one.token_ids) < len(ids)
+    for n in (2, 5, len(ids)):
+        s = TextStream(tok, stop=stop)
+        assert "".join(s.push(ids[k : k + n], final=k + n >= len(ids)) for k in range(0, len(ids), n)) == text
+        assert s.token_ids == one.token_ids
+
+
 class CountingTokenizer:
     """A tokenizer that records the length of every id list it decodes."""
 

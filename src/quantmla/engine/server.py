@@ -240,9 +240,10 @@ class TextStream:
     new text, so a token costs the same at 30 K tokens as at 3 and a decoder that strips a leading space
     strips it from the window's context, not from the new text. Held back until more tokens come (or the
     output ends): a window ending in U+FFFD (a byte-level tokenizer split a UTF-8 character) and a tail that
-    could be the start of a stop string. When a stop string appears, the text ends just before it and
-    `stopped` turns True. Tokens are committed one at a time, so the concatenation of what `push` returns is
-    the same whatever the chunking, and streamed and non-streamed outputs agree.
+    could be the start of a stop string. When a stop string appears, the text ends just before it, `stopped`
+    turns True and `token_ids` ends at the token that completed it (the usage's count). Tokens are committed
+    one at a time, so the concatenation of what `push` returns and `token_ids` are the same whatever the
+    chunking, and streamed and non-streamed outputs agree.
     """
 
     tokenizer: object
@@ -257,27 +258,31 @@ class TextStream:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def _commit(self, window: str) -> None:
-        """Append the text of the tokens past `read` (`window`: the decode of token_ids[prefix:])."""
+    def _commit(self, window: str) -> int | None:
+        """Append the text of the tokens past `read` (`window`: the decode of token_ids[prefix:]); where the first
+        stop string that the new text completes starts, if one does."""
+        old_len = len(self.text)
         self.text += window[len(self._decode(self.token_ids[self.prefix:self.read])):]
         self.prefix, self.read = self.read, len(self.token_ids)
+        # A stop string not found before ends in the new text: search from where it could start.
+        start = max(0, old_len - max(map(len, self.stop), default=0) + 1)
+        return min((i for i in (self.text.find(s, start) for s in self.stop) if i >= 0), default=None)
 
     def push(self, new_ids: list[int], final: bool) -> str:
         if self.stopped:
             return ""
-        old_len = len(self.text)
-        for t in new_ids:
+        hit = None
+        for t in new_ids:  # the first token that completes a stop string ends the output: the rest are dropped
             self.token_ids.append(t)
             window = self._decode(self.token_ids[self.prefix:])
             if not window.endswith("\ufffd"):  # else a character split over tokens: wait for its other bytes
-                self._commit(window)
-        if final and self.read < len(self.token_ids):  # the output ends: what was held back goes out as it is
-            self._commit(self._decode(self.token_ids[self.prefix:]))
-        text, longest = self.text, max(map(len, self.stop), default=0)
-        # A stop string not found before ends in the new text: search from where it could start.
-        hits = [i for i in (text.find(s, max(0, old_len - longest + 1)) for s in self.stop) if i >= 0]
-        if hits:
-            end, self.stopped = min(hits), True
+                if (hit := self._commit(window)) is not None:
+                    break
+        if hit is None and final and self.read < len(self.token_ids):  # the output ends: what was held back goes
+            hit = self._commit(self._decode(self.token_ids[self.prefix:]))  # out as it is
+        text = self.text
+        if hit is not None:
+            end, self.stopped = hit, True
         elif final:
             end = len(text)
         else:
