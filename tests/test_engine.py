@@ -386,6 +386,14 @@ def test_bad_requests_are_refused_and_nothing_is_queued(small_llm, prompt, kw, m
     assert not small_llm.has_unfinished() and small_llm.stats()["pages_used"] == 0
 
 
+def test_generate_with_a_refused_prompt_leaves_nothing_queued(small_llm):
+    """generate adds its prompts one by one: when one is refused, the ones before it are taken back (they ran,
+    their output lost, in the next step or generate)."""
+    with pytest.raises(ValueError, match="model's limit"):
+        small_llm.generate(["import os\n", [1] * 1000], SamplingParams(max_tokens=100))
+    assert not small_llm.has_unfinished() and not small_llm.requests and small_llm.stats()["pages_used"] == 0
+
+
 def test_request_larger_than_the_pool_is_refused():
     llm = LLM(max_num_seqs=1, kv_cache_bytes=3 << 20, block_size=PAGE)
     with pytest.raises(ValueError, match="whole KV pool"):

@@ -278,15 +278,21 @@ class LLM:
 
     def generate(self, prompts: str | list[str] | list[list[int]], params: SamplingParams | list | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Run prompts to completion; outputs in prompt order. One SamplingParams for all or one per prompt."""
+        """Run prompts to completion; outputs in prompt order. One SamplingParams for all or one per prompt. If
+        a prompt is refused (ValueError), none of them runs."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = params if isinstance(params, list) else [params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(params)} SamplingParams")
         seqs = []
-        for prompt, p in zip(prompts, params):
-            seqs.append(self.requests[self.add_request(prompt, p)])
+        try:
+            for prompt, p in zip(prompts, params):
+                seqs.append(self.requests[self.add_request(prompt, p)])
+        except BaseException:  # one is refused: take back the ones already queued
+            for s in seqs:
+                self.abort(s.request_id)
+            raise
         bar = None
         if use_tqdm:
             from tqdm import tqdm
