@@ -394,6 +394,19 @@ def test_generate_with_a_refused_prompt_leaves_nothing_queued(small_llm):
     assert not small_llm.has_unfinished() and not small_llm.requests and small_llm.stats()["pages_used"] == 0
 
 
+def test_generated_request_ids_skip_ids_in_use(small_llm):
+    """A request without an id gets a fresh one, also beside requests whose ids the caller chose (the third
+    request below was given the second's id, and refused as already in use)."""
+    params = SamplingParams(max_tokens=1)
+    rids = [small_llm.add_request("x", params)]
+    rids.append(small_llm.add_request("x", params, request_id=str(int(rids[0]) + 1)))  # the next generated id
+    rids.append(small_llm.add_request("x", params))
+    assert len(set(rids)) == 3
+    for rid in rids:
+        small_llm.abort(rid)
+    assert not small_llm.has_unfinished()
+
+
 def test_request_larger_than_the_pool_is_refused():
     llm = LLM(max_num_seqs=1, kv_cache_bytes=3 << 20, block_size=PAGE)
     with pytest.raises(ValueError, match="whole KV pool"):

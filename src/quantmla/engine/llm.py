@@ -217,7 +217,9 @@ class LLM:
             if total > limit:
                 raise TooLong(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = {total} exceeds {what} "
                               f"{limit} tokens", "max_tokens")
-        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id is None:  # the next number no request in flight has (a caller may have chosen one)
+            request_id = next(r for r in map(str, self._ids) if r not in self.requests)
+        request_id = str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         seq = Sequence(request_id, ids, params, text)
