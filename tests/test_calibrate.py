@@ -405,6 +405,27 @@ def test_calibrated_checkpoint_keeps_the_chat_template(tmp_path, streaming):
                  "--out", str(out), *streaming]) == 0
     assert tokenizer_for(out).chat_template == tok.chat_template
 
+@pytest.mark.parametrize("streaming", [[], ["--streaming"]])
+def test_calibrated_checkpoint_loads_with_trust_remote_code(tmp_path, streaming, one_thread):
+    """DeepSeek-V3 as published names its own modeling code in config.json's auto_map, and its card loads it
+    with trust_remote_code=True (as vLLM users pass --trust-remote-code). The calibrated config kept the
+    auto_map without the code files, so that load failed (OSError: no configuration_deepseek.py); the
+    output is folded and checked against transformers' own classes, and now names no code."""
+    src = save_tiny_model("deepseek_v3", tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    config["auto_map"] = {"AutoConfig": "configuration_deepseek.DeepseekV3Config",
+                          "AutoModelForCausalLM": "modeling_deepseek.DeepseekV3ForCausalLM"}
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert main(["calibrate", str(src), "--samples", "3", "--length", "64", "--recent", "16", "--steps", "1",
+                 "--out", str(out), *streaming]) == 0
+    assert "auto_map" not in json.loads((out / "config.json").read_text())
+    fused = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True).eval()
+    ids = torch.randint(0, 128, (2, 24))
+    original = AutoModelForCausalLM.from_pretrained(src).eval()
+    assert rel(fused(ids).logits, original(ids).logits) <= 1e-5
+
+
 # ---------------------------------------------------------------- the quantizer search (clipping, axis)
 def test_rtn_and_smoothquant_are_points_of_the_search(layer_data):
     """The scored points include RTN (recomputed here from the identity transform) and SmoothQuant

@@ -56,10 +56,15 @@ def clear_checkpoint(out_dir: Path) -> None:
 def mark_calibrated(config, cfg: CacheConfig, calibration: dict, reports=()) -> None:
     """Put the quantmla section on the output's `config`, and set num_nextn_predict_layers to 0: the
     multi-token-prediction layers are not written (transformers does not load them), and a reader that
-    trusts the count (vLLM's MTP speculative decoding) would look for weights the checkpoint lacks."""
+    trusts the count (vLLM's MTP speculative decoding) would look for weights the checkpoint lacks.
+    Drop an `auto_map` (DeepSeek-V3's names its own modeling code): the code files are not copied, so
+    trust_remote_code=True, as its card and vLLM users load it, failed on the missing files; the folded
+    weights are checked against transformers' own classes, which load the checkpoint without it."""
     setattr(config, SECTION, section(cfg, calibration, reports))
     if getattr(config, "num_nextn_predict_layers", 0):
         config.num_nextn_predict_layers = 0
+    if hasattr(config, "auto_map"):
+        del config.auto_map
 
 
 def section(cfg: CacheConfig, calibration: dict, reports=()) -> dict:
