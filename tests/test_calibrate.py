@@ -426,6 +426,26 @@ def test_calibrated_checkpoint_loads_with_trust_remote_code(tmp_path, streaming,
     assert rel(fused(ids).logits, original(ids).logits) <= 1e-5
 
 
+@pytest.mark.parametrize("streaming", [[], ["--streaming"]])
+def test_output_dtype_defaults_to_the_stored_weights_where_config_names_none(tmp_path, streaming, one_thread):
+    """--dtype auto writes the source's dtype: its config.json's, else (no dtype / torch_dtype there) that of
+    its stored weights, as transformers' dtype="auto" reads it. A BF16 checkpoint without one was written
+    in float32, twice its size."""
+    from quantmla.calibrate.streaming import ShardReader
+
+    src = tmp_path / "src"
+    tiny_model("deepseek_v3", dtype=torch.bfloat16).save_pretrained(src)
+    config = json.loads((src / "config.json").read_text())
+    config.pop("dtype", None), config.pop("torch_dtype", None)
+    (src / "config.json").write_text(json.dumps(config))
+    out = tmp_path / "out"
+    assert main(["calibrate", str(src), "--samples", "3", "--length", "64", "--recent", "16", "--steps", "1",
+                 "--out", str(out), *streaming]) == 0
+    reader = ShardReader(out)
+    assert {v.dtype for v in reader.read(reader.weight_map).values()} == {torch.bfloat16}
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
 # ---------------------------------------------------------------- the quantizer search (clipping, axis)
 def test_rtn_and_smoothquant_are_points_of_the_search(layer_data):
     """The scored points include RTN (recomputed here from the identity transform) and SmoothQuant

@@ -337,10 +337,9 @@ def cmd_calibrate(args) -> None:
     calibration = {"samples": int(batch.shape[0]), "length": int(batch.shape[1]), "steps": args.steps,
                    "seed": args.seed, "source": str(model_dir), "data": args.data or "built-in"}
     if args.dtype == "auto":
-        import json
+        from quantmla.calibrate.export import source_dtype
 
-        source = json.loads((model_dir / "config.json").read_text())
-        dtype = getattr(torch, source.get("dtype") or source.get("torch_dtype") or "float32")
+        dtype = source_dtype(model_dir)
     else:
         dtype = getattr(torch, args.dtype)
     if args.budget is not None:

@@ -87,6 +87,30 @@ def finish_checkpoint(out_dir: Path, reports=(), source_dir: str | Path | None =
     return out_dir
 
 
+_FLOAT_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def source_dtype(model_dir: str | Path) -> torch.dtype:
+    """The dtype `calibrate --dtype auto` writes: the checkpoint's config.json's (`dtype`, or the older
+    `torch_dtype`), else the one most of its stored floating tensors have, as transformers' dtype="auto"
+    falls back to the weights (a BF16 checkpoint whose config names none was written in float32), else
+    float32."""
+    from collections import Counter
+
+    from safetensors import safe_open
+
+    config = read_config_json(model_dir)
+    name = config.get("dtype") or config.get("torch_dtype")
+    if name:
+        return getattr(torch, name)
+    seen = Counter()
+    for file in sorted(Path(model_dir).glob("*.safetensors")):  # headers only
+        with safe_open(file, "pt") as f:
+            seen.update(_FLOAT_DTYPES.get(f.get_slice(k).get_dtype()) for k in f.keys())
+    seen.pop(None, None)
+    return seen.most_common(1)[0][0] if seen else torch.float32
+
+
 def quantmla_section(model_dir: str | Path) -> dict | None:
     """The checkpoint's quantmla section, or None for an uncalibrated checkpoint."""
     path = Path(model_dir) / "config.json"

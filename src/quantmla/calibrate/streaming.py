@@ -32,7 +32,7 @@ from torch import nn
 
 from quantmla.calibrate.driver import calibrate_model
 from quantmla.calibrate.space import SearchSpace
-from quantmla.calibrate.export import clear_checkpoint, finish_checkpoint, mark_calibrated
+from quantmla.calibrate.export import clear_checkpoint, finish_checkpoint, mark_calibrated, source_dtype
 from quantmla.config import CacheConfig
 from quantmla.models.adapters import check_checkpoint_dir, check_safetensors, describe, load_config
 
@@ -170,9 +170,8 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     reader = ShardReader(model_dir)
     compute = torch.float32
     model = skeleton(model_dir, compute)
-    source_cfg = json.loads((model_dir / "config.json").read_text())
     if dtype is None:
-        dtype = getattr(torch, source_cfg.get("dtype") or source_cfg.get("torch_dtype") or "float32")
+        dtype = source_dtype(model_dir)
     layers = describe(model)
     prefix = layers[0].module.split(".layers.")[0] + ".layers."
     n = len(model.get_submodule(prefix[:-1]))
