@@ -406,6 +406,21 @@ def test_calibrated_checkpoint_keeps_the_chat_template(tmp_path, streaming):
     assert tokenizer_for(out).chat_template == tok.chat_template
 
 @pytest.mark.parametrize("streaming", [[], ["--streaming"]])
+def test_calibrated_checkpoint_keeps_the_generation_config(tmp_path, streaming, one_thread):
+    """The source's generation_config.json (sampling defaults, a chat model's end-of-turn token among its
+    eos ids) is the output's. --streaming wrote one derived from config.json instead: eos_token_id 1 only,
+    no sampling settings, so generation ran past the end of a turn."""
+    src = save_tiny_model("deepseek_v3", tmp_path / "src")
+    mine = {"bos_token_id": 0, "eos_token_id": [1, 5], "do_sample": True, "temperature": 0.6, "top_p": 0.95}
+    (src / "generation_config.json").write_text(json.dumps(mine))
+    out = tmp_path / "out"
+    assert main(["calibrate", str(src), "--samples", "3", "--length", "64", "--recent", "16", "--steps", "1",
+                 "--out", str(out), *streaming]) == 0
+    written = json.loads((out / "generation_config.json").read_text())
+    assert {k: written.get(k) for k in mine} == mine
+
+
+@pytest.mark.parametrize("streaming", [[], ["--streaming"]])
 def test_calibrated_checkpoint_loads_with_trust_remote_code(tmp_path, streaming, one_thread):
     """DeepSeek-V3 as published names its own modeling code in config.json's auto_map, and its card loads it
     with trust_remote_code=True (as vLLM users pass --trust-remote-code). The calibrated config kept the

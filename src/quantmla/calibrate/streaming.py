@@ -237,7 +237,10 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     mark_calibrated(model.config, cfg, calibration or {}, reports)
     model.config.dtype = dtype
     model.config.save_pretrained(out_dir)
-    if getattr(model, "generation_config", None) is not None and model.can_generate():
+    # The skeleton's generation config is derived from config.json; the source's own (sampling defaults, the
+    # eos ids of a chat model's end of turn) is copied by finish_checkpoint, as from_pretrained would load it.
+    if (not (model_dir / "generation_config.json").is_file() and getattr(model, "generation_config", None) is not None
+            and model.can_generate()):
         model.generation_config.save_pretrained(out_dir)
     finish_checkpoint(out_dir, reports, model_dir)
     return StreamingResult(reports, out_dir, peak, reader.total_bytes)
