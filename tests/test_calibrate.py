@@ -421,6 +421,21 @@ def test_calibrated_checkpoint_keeps_the_generation_config(tmp_path, streaming, 
 
 
 @pytest.mark.parametrize("streaming", [[], ["--streaming"]])
+def test_a_generation_config_transformers_only_warns_about_is_copied(tmp_path, streaming, one_thread):
+    """Sampling settings beside do_sample false: transformers loads such a generation_config.json with a
+    warning but refuses to save it, so the in-memory calibrate failed after the whole calibration, leaving
+    a config.json without weights. The source's file is copied as it is."""
+    src = save_tiny_model("deepseek_v3", tmp_path / "src")
+    text = json.dumps({"eos_token_id": [1, 5], "do_sample": False, "temperature": 0.6, "top_p": 0.95})
+    (src / "generation_config.json").write_text(text)
+    out = tmp_path / "out"
+    assert main(["calibrate", str(src), "--samples", "3", "--length", "64", "--recent", "16", "--steps", "1",
+                 "--out", str(out), *streaming]) == 0
+    assert (out / "generation_config.json").read_text() == text
+    assert AutoModelForCausalLM.from_pretrained(out).generation_config.eos_token_id == [1, 5]
+
+
+@pytest.mark.parametrize("streaming", [[], ["--streaming"]])
 def test_calibrated_checkpoint_loads_with_trust_remote_code(tmp_path, streaming, one_thread):
     """DeepSeek-V3 as published names its own modeling code in config.json's auto_map, and its card loads it
     with trust_remote_code=True (as vLLM users pass --trust-remote-code). The calibrated config kept the

@@ -38,7 +38,18 @@ def save_calibrated(model, out_dir: str | Path, cfg: CacheConfig, calibration: d
     mark_calibrated(model.config, cfg, calibration, reports)
     if dtype is not None:
         model = model.to(dtype)
-    model.save_pretrained(out_dir)
+    # A source's generation_config.json is copied as it is (finish_checkpoint). save_pretrained would write the
+    # loaded one, and refuses one that transformers only warns about on loading (sampling settings beside
+    # do_sample false): that failed after the whole calibration. It saves a blank one instead, replaced.
+    from transformers import GenerationConfig
+
+    own = model.generation_config
+    if source_dir is not None and (Path(source_dir) / "generation_config.json").is_file():
+        model.generation_config = GenerationConfig()
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        model.generation_config = own
     return finish_checkpoint(out_dir, reports, source_dir)
 
 
@@ -78,9 +89,9 @@ def section(cfg: CacheConfig, calibration: dict, reports=()) -> dict:
 def finish_checkpoint(out_dir: Path, reports=(), source_dir: str | Path | None = None) -> Path:
     """Copy the source's tokenizer files and write calibration_report.json next to the weights."""
     if source_dir is not None:
-        for name in _COPY:
+        for name in _COPY:  # over the generation_config.json save_pretrained wrote (clear_checkpoint left no other)
             src = Path(source_dir) / name
-            if src.is_file() and not (out_dir / name).exists():
+            if src.is_file():
                 shutil.copy(src, out_dir / name)
     (out_dir / "calibration_report.json").write_text(
         json.dumps([asdict(r) for r in reports], indent=1) + "\n")
