@@ -472,8 +472,33 @@ def test_output_dtype_defaults_to_the_stored_weights_where_config_names_none(tmp
     assert main(["calibrate", str(src), "--samples", "3", "--length", "64", "--recent", "16", "--steps", "1",
                  "--out", str(out), *streaming]) == 0
     reader = ShardReader(out)
-    assert {v.dtype for v in reader.read(reader.weight_map).values()} == {torch.bfloat16}
+    tensors = reader.read(reader.weight_map)  # but the router bias transformers keeps in float32
+    assert {v.dtype for k, v in tensors.items() if not k.endswith("e_score_correction_bias")} == {torch.bfloat16}
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("streaming", [[], ["--streaming"]])
+def test_router_bias_transformers_keeps_in_float32_is_written_in_float32(tmp_path, streaming, one_thread):
+    """GLM-4.7-Flash and DeepSeek-V3 store their router's e_score_correction_bias in float32 beside BF16
+    weights, and transformers computes with it in float32 (`_keep_in_fp32_modules_strict`). The BF16 output
+    rounded it, and expert choices near a tie flipped: the calibrated model did not compute the original's
+    function. It is written in float32, as transformers' own save_pretrained writes it."""
+    from quantmla.calibrate.streaming import ShardReader
+
+    src = tmp_path / "src"
+    model = tiny_model("glm4_moe_lite", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn(b.shape, generator=torch.Generator().manual_seed(1)) * 3)
+    model.save_pretrained(src)
+    out = tmp_path / "out"
+    assert main(["calibrate", str(src), "--samples", "3", "--length", "64", "--recent", "16", "--steps", "1",
+                 "--out", str(out), *streaming]) == 0
+    before, after = (ShardReader(d).read(ShardReader(d).weight_map) for d in (src, out))
+    bias = [k for k in before if k.endswith("e_score_correction_bias")]
+    assert bias and all(before[k].dtype == torch.float32 and torch.equal(after[k], before[k]) for k in bias)
+    assert after["model.embed_tokens.weight"].dtype == torch.bfloat16
 
 
 # ---------------------------------------------------------------- the quantizer search (clipping, axis)

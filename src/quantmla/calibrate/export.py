@@ -37,7 +37,12 @@ def save_calibrated(model, out_dir: str | Path, cfg: CacheConfig, calibration: d
     clear_checkpoint(out_dir)
     mark_calibrated(model.config, cfg, calibration, reports)
     if dtype is not None:
+        kept = {name: t for name, t in (*model.named_parameters(), *model.named_buffers())
+                if stored_dtype(model, name, dtype) != dtype}
         model = model.to(dtype)
+        for name, t in kept.items():  # the float32 tensors from before the cast
+            owner, _, leaf = name.rpartition(".")
+            getattr(model.get_submodule(owner), leaf).data = t
     # A source's generation_config.json is copied as it is (finish_checkpoint). save_pretrained would write the
     # loaded one, and refuses one that transformers only warns about on loading (sampling settings beside
     # do_sample false): that failed after the whole calibration. It saves a blank one instead, replaced.
@@ -51,6 +56,22 @@ def save_calibrated(model, out_dir: str | Path, cfg: CacheConfig, calibration: d
     finally:
         model.generation_config = own
     return finish_checkpoint(out_dir, reports, source_dir)
+
+
+def stored_dtype(model, name: str, dtype: torch.dtype) -> torch.dtype:
+    """The dtype tensor `name` of `model` is written in, in a checkpoint of `dtype`: float32 where transformers
+    computes with it in float32 when loading in dtype (`_keep_in_fp32_modules_strict`, e.g. DeepSeek-V3's and
+    GLM's router bias e_score_correction_bias; `_keep_in_fp32_modules` in float16 only), as its save_pretrained
+    writes it. Rounded to BF16, that bias flipped expert choices near a tie: the output computed another
+    function."""
+    keep = set()
+    if dtype in (torch.float16, torch.bfloat16):
+        keep |= set(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if dtype == torch.float16:
+        keep |= set(getattr(model, "_keep_in_fp32_modules", None) or ())
+    parts = name.split(".")
+    hit = any(parts[i : i + len(k.split("."))] == k.split(".") for k in keep for i in range(len(parts)))
+    return torch.float32 if hit else dtype
 
 
 def clear_checkpoint(out_dir: Path) -> None:

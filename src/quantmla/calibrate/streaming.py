@@ -32,7 +32,8 @@ from torch import nn
 
 from quantmla.calibrate.driver import calibrate_model
 from quantmla.calibrate.space import SearchSpace
-from quantmla.calibrate.export import clear_checkpoint, finish_checkpoint, mark_calibrated, source_dtype
+from quantmla.calibrate.export import (clear_checkpoint, finish_checkpoint, mark_calibrated, source_dtype,
+                                      stored_dtype)
 from quantmla.config import CacheConfig
 from quantmla.models.adapters import check_checkpoint_dir, check_safetensors, describe, load_config
 
@@ -185,7 +186,8 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
 
     def write(shard: str, keys, state: dict[str, torch.Tensor], source: dict[str, torch.Tensor]):
         # a name the module has (folded or not) comes from the module; the per-expert names from the source
-        tensors = {k: (state[k] if k in state else source[k]).detach().to(dtype).contiguous() for k in keys}
+        tensors = {k: (state[k] if k in state else source[k]).detach().to(stored_dtype(model, k, dtype)).contiguous()
+                   for k in keys}
         save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
         weight_map.update({k: shard for k in keys})
 
