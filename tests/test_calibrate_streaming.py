@@ -130,3 +130,22 @@ def test_peak_rss_stays_far_below_the_checkpoint(tmp_path):
     print(got)
     assert got["weights"] > 150e6
     assert got["peak"] - got["before"] < got["weights"] / 2
+
+
+def test_streaming_skips_the_tensors_transformers_ignores(tmp_path, one_thread):
+    """LongCat-Flash ships its multi-token-prediction layer as model.mtp.*, which transformers ignores on
+    loading (`_keys_to_ignore_on_load_unexpected`) as the in-memory path does; --streaming refused the
+    checkpoint ("tensors the model does not have"). It leaves them out, as the in-memory output does."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    tiny_model("longcat_flash").save_pretrained(src)
+    tensors = load_file(src / "model.safetensors")
+    tensors.update({"model.mtp.eh_proj.weight": torch.randn(64, 128), "model.mtp.norm.weight": torch.ones(64)})
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    _in_memory(src, tmp_path / "mem", torch.float32)
+    torch.manual_seed(0)
+    calibrate_streaming(src, tmp_path / "str", _ids(), CFG, steps=4, progress=False, dtype=torch.float32)
+    mem, got = _tensors(tmp_path / "mem"), _tensors(tmp_path / "str")
+    assert set(got) == set(mem) and not any(k.startswith("model.mtp.") for k in got)
+    assert all(torch.equal(mem[k], got[k]) for k in mem)

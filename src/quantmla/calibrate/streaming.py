@@ -191,6 +191,10 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
         save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
         weight_map.update({k: shard for k in keys})
 
+    # Tensors transformers ignores on loading (LongCat-Flash's multi-token-prediction layer, model.mtp.*) are
+    # neither read nor written, as by the in-memory path; the model has no place for them.
+    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+    reader.weight_map = {k: v for k, v in reader.weight_map.items() if not any(p.search(k) for p in ignored)}
     # Everything outside the decoder layers, resident for the whole run (the forward needs the embeddings).
     rest = [k for k in reader.weight_map if not k.startswith(prefix)]
     source = reader.read(rest)
