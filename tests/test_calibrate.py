@@ -363,6 +363,20 @@ def test_calibrate_never_overwrites_what_it_was_not_asked_to(tmp_path, capsys, s
 
 
 @pytest.mark.parametrize("streaming", [[], ["--streaming"]])
+def test_calibrate_writes_where_it_checked(tmp_path, monkeypatch, streaming, one_thread):
+    """--out=~/cal (no shell expands a tilde after '='): the checks ran on $HOME/cal, but the checkpoint was
+    written to a literal ./~/cal under the working directory, and reported as written to ~/cal."""
+    src = save_tiny_model("deepseek_v3", tmp_path / "src")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert main(["calibrate", str(src), "--samples", "3", "--length", "64", "--recent", "16", "--steps", "1",
+                 "--out=~/cal", *streaming]) == 0
+    assert quantmla_section(tmp_path / "home" / "cal") is not None
+    assert not (tmp_path / "cwd" / "~").exists()
+
+
+@pytest.mark.parametrize("streaming", [[], ["--streaming"]])
 def test_calibrate_overwrite_leaves_nothing_of_the_old_checkpoint(tmp_path, streaming):
     """--overwrite over another (sharded) checkpoint: its index and tokenizer do not survive. In memory the old
     index stayed beside the new model.safetensors (a later --streaming read looked for its missing shards) and

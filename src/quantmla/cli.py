@@ -296,7 +296,7 @@ def cmd_calibrate(args) -> None:
     from quantmla.calibrate.export import quantmla_section
 
     model_dir = resolve_model_dir(args.model)
-    _check_out_dir(args.out, model_dir, args.overwrite)
+    out_dir = _check_out_dir(args.out, model_dir, args.overwrite)  # written where checked (~ expanded)
     check_unquantized(model_dir)
     if quantmla_section(model_dir):
         console.print(f"note: {model_dir} is already calibrated; the new transforms fold on top of its own (exact) "
@@ -357,7 +357,7 @@ def cmd_calibrate(args) -> None:
     if args.streaming:
         from quantmla.calibrate.streaming import calibrate_streaming
 
-        result = calibrate_streaming(model_dir, args.out, batch, cfg, args.steps, args.seed, dtype, calibration,
+        result = calibrate_streaming(model_dir, out_dir, batch, cfg, args.steps, args.seed, dtype, calibration,
                                      space=space)
         reports = result.reports
     else:
@@ -384,7 +384,7 @@ def cmd_calibrate(args) -> None:
         console.print(f"peak resident weights {result.peak_weight_bytes / 2**20:.1f} MiB of "
                       f"{result.checkpoint_bytes / 2**20:.1f} MiB in the checkpoint")
     else:
-        out = save_calibrated(model, args.out, cfg, calibration, reports, model_dir, dtype)
+        out = save_calibrated(model, out_dir, cfg, calibration, reports, model_dir, dtype)
     console.print(f"wrote calibrated checkpoint to {out} (weights in {str(dtype).replace('torch.', '')})")
 
 
