@@ -258,6 +258,20 @@ def test_unreadable_or_misshapen_weights_are_refused_by_name(tmp_path, capsys):
         assert "is not a readable safetensors file" in capsys.readouterr().err
 
 
+def test_shards_without_their_index_are_refused_by_name(tmp_path, capsys):
+    """Shards but no model.safetensors.index.json (a write or copy cut short: save_pretrained writes the index
+    after the shards): transformers' OSError came as a traceback from every command that loads weights."""
+    from quantmla.cli import main
+
+    path = tmp_path / "m"
+    tiny_model("deepseek_v3").save_pretrained(path, max_shard_size="100KB")
+    (path / "model.safetensors.index.json").unlink()
+    with pytest.raises(FileNotFoundError, match="model-00001-of-.*but no model.safetensors.index.json"):
+        load_model(path)
+    assert main(["calibrate", str(path), "--out", str(tmp_path / "o"), "--samples", "3", "--length", "64"]) == 2
+    assert "no model.safetensors.index.json" in capsys.readouterr().err
+
+
 def test_streaming_refuses_a_layer_missing_a_weight(tmp_path, capsys):
     from safetensors.torch import load_file, save_file
 

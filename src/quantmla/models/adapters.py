@@ -287,6 +287,13 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
             return AutoModelForCausalLM.from_config(config)
     if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
         raise FileNotFoundError(f"{path} has a config.json but no weights (*.safetensors)")
+    # save_pretrained writes a sharded checkpoint's index after its shards: a write or copy cut short leaves
+    # shards that transformers cannot find (an OSError naming model.safetensors only).
+    shards = sorted(path.glob("model-*-of-*.safetensors"))
+    if shards and not any((path / n).is_file() for n in ("model.safetensors.index.json", "model.safetensors")):
+        raise FileNotFoundError(f"{path} holds weight shards ({shards[0].name}, ...) but no "
+                                "model.safetensors.index.json that maps tensors to them: a write or copy cut short? "
+                                "copy or write the checkpoint again")
     check_safetensors(sorted(path.glob("*.safetensors")))
     # ignore_mismatched_sizes: a weight of another shape than config.json describes is then reported in `info`
     # (and refused below, by name) instead of raised as transformers' multi-line loading report.
