@@ -188,6 +188,21 @@ def test_chat_uses_the_fallback_template(served):
     assert body["usage"]["completion_tokens"] == len(want.token_ids)
 
 
+def test_text_prompts_get_the_tokenizers_bos_once(served, monkeypatch):
+    """Text is encoded with the tokenizer's special tokens, as transformers and vLLM encode it (the default model
+    was trained with its BOS first); a rendered chat template's text holds its own BOS, which is not doubled."""
+    tok = served.llm.tokenizer
+    p = PROMPTS[0]
+    assert tok.encode(p)[0] == tok.bos_token_id != tok.encode(p, add_special_tokens=False)[0]
+    assert served.expected[p].prompt_token_ids == tok.encode(p)
+    r = served.client.post("/v1/completions", json={"prompt": p, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(p))
+    template = "{{ bos_token }}{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant: "
+    monkeypatch.setattr(served.server.prompt_tokenizer, "chat_template", template, raising=False)
+    r = served.client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 1})
+    assert r.json()["usage"]["prompt_tokens"] == len(tok.encode(CHAT_TEXT))  # one BOS, from the template
+
+
 def test_a_chat_its_template_refuses_is_a_bad_request(served, monkeypatch):
     """A chat template's raise_exception (roles it does not take, roles out of order) is the request's fault: a 400
     naming messages, not a 500 with a traceback."""

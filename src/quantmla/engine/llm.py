@@ -198,9 +198,12 @@ class LLM:
         the whole pool), nothing queued then."""
         params = params or SamplingParams()
         if isinstance(prompt, str):
+            if not prompt:  # (it would be the BOS alone)
+                raise ValueError("the prompt is empty")
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass the prompt as a list of token ids")
-            ids, text = self.tokenizer.encode(prompt, add_special_tokens=False), prompt
+            # with the tokenizer's special tokens (its BOS), as transformers and vLLM encode a prompt
+            ids, text = self.tokenizer.encode(prompt), prompt
         else:
             ids, text = [int(t) for t in prompt], None
         if not ids:

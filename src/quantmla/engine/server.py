@@ -508,12 +508,17 @@ class Server:
             raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
                            "model", "model_not_found")
 
-    async def encode(self, prompt: str | list[int]) -> list[int]:
-        """Token ids as llm.add_request would make them (no special tokens added); the engine checks them."""
+    async def encode(self, prompt: str | list[int], special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt (the engine checks them): ids as given; text as llm.add_request encodes it, with
+        the tokenizer's special tokens (its BOS), or without them for text that already holds them (a rendered
+        chat template), as vLLM does."""
         if not isinstance(prompt, str):
             return prompt
+        if not prompt:  # (it would be the BOS alone)
+            raise APIError(400, "the prompt is empty", "prompt")
         check_text(prompt, "prompt")
-        return await self.on_prompt_thread(lambda: self.prompt_tokenizer.encode(prompt, add_special_tokens=False))
+        return await self.on_prompt_thread(
+            lambda: self.prompt_tokenizer.encode(prompt, add_special_tokens=special_tokens))
 
     async def start(self, prompt_ids: list[int], params: SamplingParams, stop: tuple[str, ...],
                     prefix: str) -> _Job:
@@ -750,7 +755,8 @@ def build_app(llm) -> FastAPI:
         server.check_model(req.model)
         req.refuse_unsupported()
         text = await server.on_prompt_thread(chat_prompt, server.prompt_tokenizer, req.messages)
-        prompt_ids = await server.encode(text)
+        templated = bool(getattr(server.prompt_tokenizer, "chat_template", None))  # its text holds the BOS
+        prompt_ids = await server.encode(text, special_tokens=not templated)
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         if max_tokens is None:  # OpenAI's default: as much as the context (and the whole pool) leaves
             max_tokens = max(server.request_limit - len(prompt_ids), 1)
