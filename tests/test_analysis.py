@@ -159,6 +159,18 @@ def test_info_per_layer_formats_are_readable_at_80_columns(tiny_dir, tmp_path, m
     assert ["1", "int4:16c0.95", "bf16"] in [r[:3] for r in rows], text
 
 
+def test_output_files_are_written_where_they_were_checked(tiny_dir, tmp_path, monkeypatch):
+    """--json=~/x.json (no shell expands a tilde after '='): the check expanded it, but the file went to a literal
+    ./~/x.json under the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "home").mkdir()
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    assert main(["info", str(tiny_dir), "--json=~/info.json"]) == 0
+    assert json.loads((tmp_path / "home" / "info.json").read_text())["layers"]
+    assert not (tmp_path / "cwd" / "~").exists()
+
+
 def test_bad_config_json_and_output_paths_are_one_line_errors(tmp_path, capsys):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "config.json").write_text("[1, 2]")

@@ -30,11 +30,12 @@ def _write_json(path: str | None, data: dict) -> None:
         console.print(f"wrote {path}")
 
 
-def _check_out_file(path: str | None, flag: str) -> None:
+def _check_out_file(path: str | None, flag: str) -> str | None:
     """An output file (--json, --plot), checked before any work: a directory, or a file on the way
-    (file/x.json), would fail only after the run and lose its results."""
+    (file/x.json), would fail only after the run and lose its results. Returns the path to write: `~` expanded
+    (no shell expands it after `--json=`), as it was checked."""
     if path is None:
-        return
+        return None
     if not path.strip():
         raise ValueError(f"{flag} is empty: name the file to write")
     target = Path(path).expanduser().resolve()
@@ -45,6 +46,7 @@ def _check_out_file(path: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {path}: {parent} is a file, not a directory")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {path}: {parent} is not writable")
+    return str(Path(path).expanduser())
 
 
 # ---------------------------------------------------------------- info
@@ -55,7 +57,7 @@ def cmd_info(args) -> None:
     from quantmla.quant import bytes_per_token
     from quantmla.calibrate.export import cache_config_of
 
-    _check_out_file(args.json, "--json")
+    args.json = _check_out_file(args.json, "--json")
     model_dir = resolve_model_dir(args.model)
     layers = describe(model_dir)
     # A calibrated checkpoint's own formats (per layer) unless formats are asked for.
@@ -194,8 +196,8 @@ def cmd_analyze(args) -> None:
     from quantmla.data import encode, read_text, resolve_model_dir, token_windows, tokenizer_for
     from quantmla.models import describe, load_model
 
-    _check_out_file(args.json, "--json")
-    _check_out_file(args.plot, "--plot")
+    args.json = _check_out_file(args.json, "--json")
+    args.plot = _check_out_file(args.plot, "--plot")
     if args.plot and (suffix := Path(args.plot).suffix[1:].lower()):
         from matplotlib.backend_bases import FigureCanvasBase
 
@@ -403,7 +405,7 @@ def cmd_eval(args) -> None:
     from quantmla.models import load_model
 
     # Check everything the user typed before the (slow) model load.
-    _check_out_file(args.json, "--json")
+    args.json = _check_out_file(args.json, "--json")
     from quantmla.calibrate.export import quantmla_section
 
     calibrated = quantmla_section(resolve_model_dir(args.model)) is not None
@@ -514,7 +516,7 @@ def cmd_demo(args) -> None:
     from quantmla.models.adapters import check_unquantized
     from quantmla.eval.suite import EvalSettings
 
-    out = Path(args.out)
+    out = Path(args.out).expanduser()
     if out.exists() and not out.is_dir():
         raise ValueError(f"--out {args.out} exists and is not a directory")
     _check_out_file(str(out / "demo.json"), "--out")  # a file further up, or no write permission: before any work
@@ -532,11 +534,11 @@ def cmd_demo(args) -> None:
                             eval=EvalSettings(lengths=lengths, samples=args.samples,
                                               windows=args.windows, scored=128, batch=8))
     console.rule(f"quantmla demo on {model_dir.name}")
-    rows = run_demo(model_dir, Path(args.out), settings, log=lambda m: console.print(f"[bold]>[/] {m}"))
+    rows = run_demo(model_dir, out, settings, log=lambda m: console.print(f"[bold]>[/] {m}"))
     console.print(demo_table(model_dir.name, rows, settings.eval.lengths))
     if len(settings.eval.lengths) > 1:
         console.print(demo_needles_table(model_dir.name, rows, settings.eval.lengths))
-    _write_json(str(Path(args.out) / "demo.json"),
+    _write_json(str(out / "demo.json"),
                 {"model": str(model_dir), "rows": [{"label": label, **r.to_dict()} for label, r in rows]})
 
 
