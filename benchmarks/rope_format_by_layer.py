@@ -5,7 +5,8 @@
 
 For each format and each MLA layer, every other path of every layer stays BF16 and that layer's RoPE keys are
 stored in the format (sink 4 + recent 128 BF16, serving semantics: `quantmla.eval.serving`); the figure is the
-mean next-token KL(BF16 || quantized) over the last `--scored` tokens of `--windows` held-out windows. It
+mean next-token KL(BF16 || quantized) over the last `--scored` tokens of `--windows` held-out windows
+(`quantmla.eval.perplexity`, as `quantmla eval` scores them). It
 localizes a format whose mean positional QK error (`rope_token_axis.py`) and end-to-end KL disagree.
 Writes OUT.json and OUT.md.
 """
@@ -21,15 +22,10 @@ from pathlib import Path
 import torch
 
 from quantmla.config import CacheConfig
-from quantmla.data import encode, read_text, resolve_model_dir, token_windows, tokenizer_for
-from quantmla.eval.serving import serving_logits
+from quantmla.data import resolve_model_dir, tokenizer_for
+from quantmla.eval import perplexity
+from quantmla.eval.suite import heldout_windows
 from quantmla.models import describe, load_model
-
-
-def kl(ref: torch.Tensor, out: torch.Tensor) -> float:
-    """Mean KL(softmax(ref) || softmax(out)) over all leading positions, in nats."""
-    lr, lo = ref.float().log_softmax(-1), out.float().log_softmax(-1)
-    return float((lr.exp() * (lr - lo)).sum(-1).mean())
 
 
 def main():
@@ -45,18 +41,16 @@ def main():
     model_dir = resolve_model_dir(args.model)
     model = load_model(model_dir).eval()
     n = len(describe(model))
-    ids = encode(read_text(None, "heldout.txt"), tokenizer_for(model_dir), model.config.vocab_size,
-                 args.length * args.windows)
-    batch = token_windows(ids, args.length, args.windows)
+    batch = heldout_windows(tokenizer_for(model_dir), model.config.vocab_size, args.length, args.windows)
     rows = []
     with torch.no_grad():
-        ref = model(batch).logits[:, -args.scored:]
+        ref = perplexity.reference_logprobs(model, batch, args.scored)
         for fmt in args.formats.split(","):
             for layer in range(n):
                 layers = [("bf16", fmt if i == layer else "bf16") for i in range(n)]
                 cfg = CacheConfig("bf16", fmt, 4, 128, layers=layers)
-                rows.append({"format": fmt, "layer": layer,
-                             "kl": kl(ref, serving_logits(model, batch, cfg, args.scored))})
+                out = perplexity.score_window(model, batch, args.scored, cfg)
+                rows.append({"format": fmt, "layer": layer, "kl": float(perplexity.kl(ref, out).mean())})
                 print(f"{fmt:>10} layer {layer}: KL {rows[-1]['kl']:.3e}", flush=True)
     meta = {"model": model_dir.name, "date": datetime.date.today().isoformat(), "machine": platform.machine(),
             "command": "python benchmarks/rope_format_by_layer.py " + " ".join(
