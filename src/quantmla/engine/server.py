@@ -413,20 +413,21 @@ def server_error(e: Exception) -> JSONResponse:
     return error_response(APIError(500, f"{type(e).__name__}: {e}", type="server_error"))
 
 
-def chat_prompt(tokenizer, messages: list[ChatMessage]) -> str:
-    """The prompt text of a chat: the tokenizer's chat template (with the generation prompt) when it has one;
-    otherwise one "role: content" line per message, then "assistant: " for the model to continue."""
+def chat_prompt(tokenizer, messages: list[ChatMessage]) -> tuple[str, bool]:
+    """The prompt text of a chat, and whether it still needs the tokenizer's special tokens: the tokenizer's
+    chat template (with the generation prompt; its text holds them) when it has one; otherwise one "role:
+    content" line per message, then "assistant: " for the model to continue."""
     plain = [{"role": m.role, "content": m.text()} for m in messages]
     if getattr(tokenizer, "chat_template", None):
         from jinja2.exceptions import TemplateError, TemplateSyntaxError
 
         try:
-            return tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False)
+            return tokenizer.apply_chat_template(plain, add_generation_prompt=True, tokenize=False), False
         except TemplateSyntaxError:  # the checkpoint's template is broken: a server error
             raise
         except TemplateError as e:  # its raise_exception, e.g. "roles must alternate": the request's fault
             raise APIError(400, f"the model's chat template refused these messages: {e}", "messages") from None
-    return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: "
+    return "".join(f"{m['role']}: {m['content']}\n" for m in plain) + "assistant: ", True
 
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 1024  # every chunk of every request scans its stops on the one text thread
@@ -754,9 +755,8 @@ def build_app(llm) -> FastAPI:
     async def chat_completions(req: ChatRequest, request: Request):
         server.check_model(req.model)
         req.refuse_unsupported()
-        text = await server.on_prompt_thread(chat_prompt, server.prompt_tokenizer, req.messages)
-        templated = bool(getattr(server.prompt_tokenizer, "chat_template", None))  # its text holds the BOS
-        prompt_ids = await server.encode(text, special_tokens=not templated)
+        text, special = await server.on_prompt_thread(chat_prompt, server.prompt_tokenizer, req.messages)
+        prompt_ids = await server.encode(text, special_tokens=special)
         max_tokens = req.max_tokens if req.max_completion_tokens is None else req.max_completion_tokens
         if max_tokens is None:  # OpenAI's default: as much as the context (and the whole pool) leaves
             max_tokens = max(server.request_limit - len(prompt_ids), 1)

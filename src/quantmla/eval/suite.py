@@ -126,12 +126,15 @@ def _formats(config: CacheConfig, path: int) -> str:
     return names[0] if len(set(names)) == 1 else "|".join(names)
 
 
+# Needle prompts gain a BOS token; prompt + answer (fed teacher-forced) is `length` bytes, + this much slack.
+LENGTH_SLACK = 32
+
+
 def check_lengths(model, settings: EvalSettings) -> None:
     max_pos = getattr(model.config, "max_position_embeddings", None)
-    # Needle prompts gain a BOS token; prompt + answer (fed teacher-forced) is `length` bytes, + 32 of slack.
-    if max_pos and max(settings.lengths) + 32 > max_pos:
-        raise ValueError(f"length {max(settings.lengths)} (+ up to 32 tokens of BOS and answer) exceeds the "
-                         f"model's max_position_embeddings {max_pos}")
+    if max_pos and max(settings.lengths) + LENGTH_SLACK > max_pos:
+        raise ValueError(f"length {max(settings.lengths)} (+ up to {LENGTH_SLACK} tokens of BOS and answer) exceeds "
+                         f"the model's max_position_embeddings {max_pos}")
 
 
 def heldout_windows(tokenizer, vocab_size: int, length: int, count: int, path=None) -> torch.Tensor:
@@ -153,7 +156,7 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
     if longest <= config.sink + config.recent and any(f.kind != "bf16" for pair in config.per_layer for f in pair):
         max_pos = getattr(model.config, "max_position_embeddings", None)
         fix = (f"use lengths above {config.sink + config.recent}, or a smaller --recent"
-               if not max_pos or config.sink + config.recent + 1 + 32 <= max_pos  # check_lengths' 32
+               if not max_pos or config.sink + config.recent + 1 + LENGTH_SLACK <= max_pos
                else f"use --recent {max(longest - config.sink - 1, 0)} or less (the model's {max_pos} positions "
                     "allow no lengths that long)")
         raise ValueError(f"at {longest} tokens no key is ever quantized (sink {config.sink} + recent {config.recent} "
