@@ -392,9 +392,11 @@ def test_calibrate_overwrite_leaves_nothing_of_the_old_checkpoint(tmp_path, stre
     (out / "model-00001-of-00002.safetensors").write_bytes(b"old")
     (out / "tokenizer.json").write_text('{"old": true}')
     (out / "special_tokens_map.json").write_text('{"old": true}')
+    (out / "tiktoken.model").write_text("old")  # another family's tokenizer
     assert main(["calibrate", str(src), "--samples", "3", "--length", "160", "--recent", "16", "--steps", "1",
                  "--out", str(out), "--overwrite", *streaming]) == 0
     assert not (out / "tokenizer.json").exists()  # the source has none: the old one is not the model's
+    assert not (out / "tiktoken.model").exists()
     assert (out / "special_tokens_map.json").read_text() == '{"new": true}'
     assert all((out / f).is_file() for f in set(ShardReader(out).weight_map.values()))
     assert not (out / "model-00001-of-00002.safetensors").exists() or streaming
@@ -418,6 +420,29 @@ def test_calibrated_checkpoint_keeps_the_chat_template(tmp_path, streaming):
     assert main(["calibrate", str(src), "--samples", "3", "--length", "160", "--recent", "16", "--steps", "1",
                  "--out", str(out), *streaming]) == 0
     assert tokenizer_for(out).chat_template == tok.chat_template
+
+@pytest.mark.parametrize("streaming", [[], ["--streaming"]])
+def test_calibrated_checkpoint_keeps_a_tokenizer_of_its_own_code_and_the_licence(tmp_path, streaming, one_thread):
+    """Kimi K2's tokenizer is its own code (tokenization_kimi.py, named by tokenizer_config.json's auto_map)
+    over tiktoken.model; quantmla reads the tokenizer.json saved beside them. The output kept
+    tokenizer_config.json, auto_map included, but neither file, so loading its tokenizer with
+    trust_remote_code (transformers, vLLM) failed; nor did the model's licence go with the weights."""
+    from quantmla.data import default_model_dir, tokenizer_for
+
+    src = tmp_path / "src"
+    tiny_model("deepseek_v3", vocab_size=259).save_pretrained(src)  # the shipped byte-level tokenizer's vocabulary
+    tokenizer_for(default_model_dir()).save_pretrained(src)
+    config = json.loads((src / "tokenizer_config.json").read_text())
+    config["auto_map"] = {"AutoTokenizer": ["tokenization_kimi.TikTokenTokenizer", None]}
+    files = {"tokenizer_config.json": json.dumps(config), "tokenization_kimi.py": "# the tokenizer's code\n",
+             "tiktoken.model": "aGk= 0\n", "LICENSE-MODEL": "the model licence\n"}
+    for name, text in files.items():
+        (src / name).write_text(text)
+    out = tmp_path / "out"
+    assert main(["calibrate", str(src), "--samples", "3", "--length", "64", "--recent", "16", "--steps", "1",
+                 "--out", str(out), *streaming]) == 0
+    assert {name: (out / name).read_text() for name in files} == files
+
 
 @pytest.mark.parametrize("streaming", [[], ["--streaming"]])
 def test_calibrated_checkpoint_keeps_the_generation_config(tmp_path, streaming, one_thread):

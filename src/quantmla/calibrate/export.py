@@ -21,11 +21,19 @@ from quantmla.config import CacheConfig
 from quantmla.models.adapters import read_config_json
 
 SECTION = "quantmla"
-# Files besides config and weights that make a checkpoint directory usable on its own. transformers 5 keeps a
-# tokenizer's chat template in chat_template.jinja, not in tokenizer_config.json (`quantmla serve` formats chats
-# with it).
+# Files besides config and weights that make a checkpoint directory usable on its own (glob patterns, top level).
+# transformers 5 keeps a tokenizer's chat template in chat_template.jinja, not in tokenizer_config.json (`quantmla
+# serve` formats chats with it). Kimi K2's tokenizer is its own code (tokenization_kimi.py, named by
+# tokenizer_config.json's auto_map) over tiktoken.model: quantmla never runs it, but transformers and vLLM
+# users load it with trust_remote_code. A model's licence goes with a derivative of its weights.
 _COPY = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json",
-         "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja")
+         "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json", "chat_template.jinja",
+         "tiktoken.model", "*.tiktoken", "tokenization_*.py", "LICENSE*")
+
+
+def _copied(folder: Path) -> list[Path]:
+    """The files of `folder` that `_COPY` names."""
+    return sorted({f for pattern in _COPY for f in folder.glob(pattern) if f.is_file()})
 
 
 def save_calibrated(model, out_dir: str | Path, cfg: CacheConfig, calibration: dict, reports=(),
@@ -79,8 +87,10 @@ def clear_checkpoint(out_dir: Path) -> None:
     save_pretrained leaves would outlive it: a sharded checkpoint's index beside the new single
     model.safetensors (readers of the index, the streaming reader and vLLM, then look for shards that are
     gone), and tokenizer files that `finish_checkpoint` would keep instead of copying the source's."""
-    for name in ("config.json", "calibration_report.json", "model.safetensors.index.json", *_COPY):
+    for name in ("config.json", "calibration_report.json", "model.safetensors.index.json"):
         (out_dir / name).unlink(missing_ok=True)
+    for stale in _copied(out_dir):
+        stale.unlink()
     for stale in out_dir.glob("model*.safetensors"):
         stale.unlink()
 
@@ -110,10 +120,8 @@ def section(cfg: CacheConfig, calibration: dict, reports=()) -> dict:
 def finish_checkpoint(out_dir: Path, reports=(), source_dir: str | Path | None = None) -> Path:
     """Copy the source's tokenizer files and write calibration_report.json next to the weights."""
     if source_dir is not None:
-        for name in _COPY:  # over the generation_config.json save_pretrained wrote (clear_checkpoint left no other)
-            src = Path(source_dir) / name
-            if src.is_file():
-                shutil.copy(src, out_dir / name)
+        for src in _copied(Path(source_dir)):  # over the generation_config.json save_pretrained wrote
+            shutil.copy(src, out_dir / src.name)
     (out_dir / "calibration_report.json").write_text(
         json.dumps([asdict(r) for r in reports], indent=1) + "\n")
     return out_dir
