@@ -59,6 +59,9 @@ def test_streaming_gives_the_in_memory_weights_with_one_layer_resident(family, s
     assert 0 < res.peak_weight_bytes < res.checkpoint_bytes / 2
     mem, got = _tensors(tmp_path / "mem"), _tensors(tmp_path / "str")
     assert set(got) == set(mem)
+    # the index's total_size is the tensors' bytes, as save_pretrained writes it (file sizes add the headers)
+    index = json.loads((tmp_path / "str" / "model.safetensors.index.json").read_text())
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in got.values())
     unequal = [k for k in mem if not torch.equal(mem[k], got[k])]
     assert not unequal, unequal[:5]
     orig = _tensors(src)  # and the fold did move the attention weights

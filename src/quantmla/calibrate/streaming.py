@@ -178,6 +178,7 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     n = len(model.get_submodule(prefix[:-1]))
     files = [f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors" for i in range(n + 1)]
     weight_map: dict[str, str] = {}
+    total = 0  # the index's total_size: tensor bytes, headers not counted (as save_pretrained writes it)
     out_dir.mkdir(parents=True, exist_ok=True)
     # An old single file would shadow the new index, and an interrupted run must not leave a directory that
     # looks like a finished checkpoint (config.json is written last).
@@ -185,10 +186,12 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     peak = 0
 
     def write(shard: str, keys, state: dict[str, torch.Tensor], source: dict[str, torch.Tensor]):
+        nonlocal total
         # a name the module has (folded or not) comes from the module; the per-expert names from the source
         tensors = {k: (state[k] if k in state else source[k]).detach().to(stored_dtype(model, k, dtype)).contiguous()
                    for k in keys}
         save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
+        total += sum(t.nbytes for t in tensors.values())
         weight_map.update({k: shard for k in keys})
 
     # Tensors transformers ignores on loading (LongCat-Flash's multi-token-prediction layer, model.mtp.*) are
@@ -236,7 +239,6 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
 
     reports = calibrate_model(model, layers, input_ids, cfg, steps, seed, progress, before_layer=before,
                               after_layer=after, space=space)
-    total = sum((out_dir / f).stat().st_size for f in files)
     (out_dir / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
     cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
