@@ -736,6 +736,8 @@ def build_app(llm) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, e: StarletteHTTPException):
+        if e.status_code == 400:  # FastAPI's for a body json.loads raised on other than bad syntax (too deep)
+            return error_response(APIError(400, f"malformed JSON body: {e.detail}"))
         return error_response(APIError(e.status_code, str(e.detail), code=str(e.status_code)))
 
     @app.exception_handler(Exception)
