@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from quantmla.cache import QuantMLACache, QuantMLALayer
+from quantmla.cache import QuantMLACache, QuantMLALayer, left_pads
 from quantmla.config import CacheConfig, QuantFormat
 from quantmla.quant.formats import bytes_per_token, fake_quantize
 from quantmla.models.tiny import TINY_FAMILIES, tiny_model
@@ -164,8 +164,8 @@ def test_protected_tokens_keep_the_input_dtype():
 def _stored_tensors(cache):
     for layer in cache.layers:
         for path in (layer.content, layer.rope):
-            yield from (t for t in (path.sink, path.recent, path.body.codes, path.body.scale, path.body.zero)
-                        if t is not None)
+            yield from (t for t in (path.sink, path.recent, path.body.codes, path.body.scale, path.body.zero,
+                                    path.row_sink) if t is not None)
 
 
 @pytest.mark.parametrize("content,rope", [("int4:8", "fp8:16"), ("int2:16", "int8:8"), ("fp8:0", "int4:16")])
@@ -301,6 +301,177 @@ def test_beam_search_matches_dynamic_cache_in_bf16():
     assert torch.equal(ref, got)
 
 
+# --- left padding -----------------------------------------------------------------------------------------
+
+
+def _left_padded(rows: list[torch.Tensor]) -> tuple[torch.Tensor, list[int]]:
+    """rows [1,1,L_b,D] of different lengths -> [B,1,max L,D], each left-padded with junk (finite, large), and the
+    pad counts."""
+    width = max(r.shape[-2] for r in rows)
+    pads = [width - r.shape[-2] for r in rows]
+    junk = [100 * torch.randn(1, 1, p, r.shape[-1]) for p, r in zip(pads, rows)]
+    return torch.cat([torch.cat([j, r], dim=-2) for j, r in zip(junk, rows)]), pads
+
+
+class Alone:
+    """One row fed alone, unpadded, through its own cache: what a padded row must return at its real positions."""
+
+    def __init__(self, cfg, c, k):
+        self.cache, self.c, self.k, self.length, self.out = QuantMLACache(cfg), c, k, 0, None
+
+    def feed(self, end):
+        """Feed the row's tokens up to (real) position end, if any are new."""
+        if end > self.length:
+            self.out = self.cache.update(self.c[..., self.length:end, :], self.k[..., self.length:end, :], 0)
+            self.length = end
+
+    def crop(self, n):
+        self.cache.crop(-n)
+        self.length -= n
+
+
+def _check_rows(got, alones, pads, exact_rope=True, sink=4):
+    """got: (content, rope) histories of the padded batch; row b from position pads[b] on must equal alones[b]'s
+    (bit for bit; exact_rope=False: only the row's sink of the RoPE path)."""
+    for b, (alone, pad) in enumerate(zip(alones, pads)):
+        if alone.out is None:  # only pads so far
+            assert all(g.shape[-2] <= pad for g in got)
+            continue
+        for path, (g, want) in enumerate(zip(got, alone.out)):
+            if path == 0 or exact_rope:
+                assert torch.equal(g[b : b + 1, :, pad:], want), (b, path)
+            else:  # a token-axis path: only the row's sink is sure to be its own
+                n = min(alone.length, sink)
+                assert torch.equal(g[b : b + 1, :, pad : pad + n], want[..., :n, :]), b
+
+
+@pytest.mark.parametrize("fmts, rotation", [(("int4:8", "int2:8"), ""), (("fp8:16", "int4:16"), "hadamard:1"),
+                                             (("int4:8", "int4:t4"), "")])
+def test_a_left_padded_row_is_stored_as_it_would_be_alone(fmts, rotation):
+    """Rows of 14, 6 and 10 tokens, left-padded to 14 (pads 0, 8, 4: past the sink, and across it), prefilled in
+    chunks, decoded, cropped through a real sink, reordered, selected and repeated: at every step each row's
+    real positions are bit-identical to the row fed alone (channel formats; a token-axis path keeps its sink)."""
+    cfg = CacheConfig(*fmts, sink=4, recent=3, rope_rotation=rotation)
+    lengths, steps = (14, 6, 10), 8
+    rows = [(torch.randn(1, 1, n + steps, DC), torch.randn(1, 1, n + steps, DR)) for n in lengths]
+    alones = [Alone(cfg, c, k) for c, k in rows]
+    c, pads = _left_padded([c for c, _ in rows])
+    k, _ = _left_padded([k for _, k in rows])
+    assert pads == [0, 8, 4]
+    cache = QuantMLACache(cfg, left_padding=pads)
+    exact_rope = cfg.rope.axis != "token"
+    src = [0, 1, 2]  # each batch row's row of c and k: batch selection and reordering change it
+
+    def feed(end):
+        start = cache.get_seq_length()
+        got = cache.update(c[src][..., start:end, :], k[src][..., start:end, :], 0)
+        for alone, pad in zip(alones, pads):
+            alone.feed(end - pad)
+        _check_rows(got, alones, pads, exact_rope)
+
+    for end in (3, 9, 14, 15, 16, 17):  # a prefill in three chunks (the first all pads for row 1), then decoding
+        feed(end)
+    cache.crop(-9)  # back to 8 tokens: all of row 1 (its real sink past the shared sink comes again)
+    for alone in alones:
+        alone.crop(9)
+    for end in (11, 13):
+        feed(end)
+
+    def pick(idx):  # the batch's rows after a selection or reordering by idx
+        return [src[i] for i in idx], [alones[i] for i in idx], [pads[i] for i in idx]
+
+    cache.reorder_cache(torch.tensor([2, 0, 1]))
+    src, alones, pads = pick([2, 0, 1])
+    feed(14)
+    cache.batch_select_indices(torch.tensor([0, 2]))
+    src, alones, pads = pick([0, 2])
+    feed(15)
+    cache.batch_repeat_interleave(2)
+    src, alones, pads = pick([0, 0, 1, 1])
+    alones[1], alones[3] = (Alone(cfg, a.c, a.k) for a in alones[::2])  # the copies' own alone caches
+    for twin, alone in zip(alones[1::2], alones[::2]):
+        twin.feed(alone.length)
+    feed(17)
+
+
+@pytest.mark.parametrize("num_layers", [None, 1])
+def test_pad_counts_follow_rows_reordered_before_the_first_update(num_layers):
+    """Reordered and repeated while empty (layers not built yet, or built and not initialized), the cache's pad
+    counts follow the rows as the first update will bring them."""
+    cfg = CacheConfig("int4:8", "int4:8", sink=4, recent=2)
+    rows = [(torch.randn(1, 1, n, DC), torch.randn(1, 1, n, DR)) for n in (12, 5)]
+    c, pads = _left_padded([c for c, _ in rows])
+    k, _ = _left_padded([k for _, k in rows])
+    cache = QuantMLACache(cfg, num_layers=num_layers, left_padding=pads)
+    cache.reorder_cache(torch.tensor([1, 0]))
+    cache.batch_repeat_interleave(2)
+    src = [1, 1, 0, 0]
+    got = cache.update(c[src], k[src], 0)
+    alones = [Alone(cfg, *rows[i]) for i in src]
+    for alone in alones:
+        alone.feed(alone.c.shape[-2])
+    _check_rows(got, alones, [pads[i] for i in src])
+
+
+def test_left_padding_costs_what_its_row_sink_holds():
+    """The real sink tokens padding pushes past the shared sink are held as given, min(pad, sink) slots per row
+    for the most padded row; memory_bytes and the report count them."""
+    cfg = CacheConfig("int4:8", "int4:8", sink=4, recent=2)
+    c, k = torch.randn(2, 1, 12, DC), torch.randn(2, 1, 12, DR)
+    plain = QuantMLACache(cfg)
+    plain.update(c, k, 0)
+    padded = QuantMLACache(cfg, left_padding=torch.tensor([0, 3]))
+    padded.update(c, k, 0)
+    layer = padded.layers[0]
+    assert layer.content.row_sink.shape == (2, 1, 3, DC) and layer.rope.row_sink.shape == (2, 1, 3, DR)
+    assert padded.memory_bytes() == plain.memory_bytes() + 2 * 3 * (DC + DR) * 4
+    assert padded.memory_bytes() == sum(t.numel() * t.element_size() for t in _stored_tensors(padded))
+    assert padded.memory_report()["content"]["row_sink_slots"] == 3
+    assert plain.memory_report()["content"]["row_sink_slots"] == 0
+
+
+def _prompts_left_padded(lengths, seed=0):
+    rows = [_ids(1, n, seed + i) for i, n in enumerate(lengths)]
+    width = max(lengths)
+    ids = torch.cat([torch.cat([torch.zeros(1, width - r.shape[1], dtype=torch.long), r], 1) for r in rows])
+    mask = (torch.arange(width) >= width - torch.tensor(lengths)[:, None]).long()
+    return rows, ids, mask
+
+
+def test_a_left_padded_batch_generates_as_each_row_alone():
+    """Tiny DeepSeek-V3, INT4 both paths, sink 4: prompts of 14 and 7 tokens left-padded into one batch give each
+    row's own prefill logits and greedy generation, as alone, when the cache is told the padding; without it the
+    shorter row's real sink tokens are quantized and its logits move (so this test can fail)."""
+    model = _model("deepseek_v3")
+    cfg = CacheConfig("int4:16", "int4:16", sink=4, recent=2)
+    rows, ids, mask = _prompts_left_padded([14, 7])
+    pads = left_pads(mask)
+    assert pads.tolist() == [0, 7]
+    positions = (mask.cumsum(1) - 1).clamp_min(0)
+    gen = dict(max_new_tokens=6, do_sample=False, output_logits=True, return_dict_in_generate=True,
+               pad_token_id=0)
+    with torch.no_grad():
+        def prefill(cache):
+            return model(ids, attention_mask=mask, position_ids=positions, **_kw(model, cache)).logits
+
+        def generate(cache):
+            return model.generate(ids, attention_mask=mask, **gen, **_kw(model, cache))
+
+        told, untold = prefill(QuantMLACache(cfg, left_padding=pads)), prefill(QuantMLACache(cfg))
+        out, out_untold = generate(QuantMLACache(cfg, left_padding=pads)), generate(QuantMLACache(cfg))
+        for b, (row, pad) in enumerate(zip(rows, pads.tolist())):
+            alone = model(row, **_kw(model, QuantMLACache(cfg))).logits[0]
+            torch.testing.assert_close(told[b, pad:], alone, rtol=0, atol=1e-5)
+            solo = model.generate(row, **gen, **_kw(model, QuantMLACache(cfg)))
+            assert torch.equal(out.sequences[b, ids.shape[1]:], solo.sequences[0, row.shape[1]:])
+            for step, (got, want) in enumerate(zip(out.logits, solo.logits)):
+                torch.testing.assert_close(got[b], want[0], rtol=0, atol=1e-5, msg=f"row {b} step {step}")
+    # Untold, the padded row's real sink is quantized: its logits move (the unpadded row stays as alone).
+    assert (untold[1, 7:] - told[1, 7:]).abs().max() > 1e-3
+    assert max((u[1] - t[1]).abs().max() for u, t in zip(out_untold.logits, out.logits)) > 1e-3
+    torch.testing.assert_close(untold[0], told[0], rtol=0, atol=1e-5)
+
+
 # --- errors -------------------------------------------------------------------------------------------------
 
 
@@ -403,6 +574,29 @@ def test_a_batch_of_another_size_is_refused_by_name():
 def test_sink_and_recent_must_be_whole_numbers(sink, recent):
     with pytest.raises(ValueError, match="sink and recent must be whole numbers"):
         CacheConfig("int4", "int4", sink, recent)
+
+
+@pytest.mark.parametrize("left_padding, says", [
+    ([1, 2, 3], "left_padding has 3 pad counts, one per row, but the batch has 2 rows"),
+    ([0, -1], r"left_padding counts must be >= 0, got \[0, -1\]"),
+    ([0.0, 2.5], "left_padding takes one whole pad count per row"),
+    ([[0, 1]], "left_padding takes one whole pad count per row"),
+])
+def test_bad_left_padding_is_refused_by_name(left_padding, says):
+    with pytest.raises(ValueError, match=says):
+        QuantMLACache(CacheConfig("int4:8", "int4:8"), left_padding=left_padding).update(
+            torch.randn(2, 1, 5, DC), torch.randn(2, 1, 5, DR), 0)
+
+
+@pytest.mark.parametrize("mask, says", [
+    ([[1, 1, 0], [1, 1, 1]], "row 0 of the attention mask has a pad after a real token; this is not left padding"),
+    ([[1, 1, 1], [0, 0, 0]], "row 1 of the attention mask has no real token"),
+    ([1, 1, 1], r"takes an attention mask \[batch, tokens\], got \(3,\)"),
+])
+def test_left_pads_refuses_a_mask_that_is_not_left_padding(mask, says):
+    assert left_pads(torch.tensor([[0, 0, 1], [1, 1, 1]])).tolist() == [2, 0]
+    with pytest.raises(ValueError, match=says):
+        left_pads(torch.tensor(mask))
 
 
 def test_a_bad_group_spelling_says_what_a_format_looks_like():

@@ -41,10 +41,19 @@ of the window stay quantized. A token-axis format cannot give back part of a qua
 reaches into its body raises: with such a format, assisted decoding needs `recent` of at least the number of
 draft tokens (rejected drafts are then cut from the window only).
 
-Padding: the cache does not see the attention mask, so in a left-padded batch the pads are tokens to it: they
-fill the sink and shift token-axis blocks, and a padded row is then not stored as it would be alone. With
-sink=0 and channel formats (per token) every row is stored as alone; otherwise batch sequences of one length
-(the engine, `quantmla.engine`, needs no padding).
+Padding: the cache does not see the attention mask. Tell it each row's left padding, as
+`QuantMLACache(config, left_padding=pads)` (pads: one pad count per row, e.g. `left_pads(attention_mask)`),
+and each row's sink is its own first `sink` real tokens (positions pad_b .. pad_b + sink - 1), returned as
+given. The shared sink tensor holds positions [0, sink); a row's real sink tokens past it are kept, as given,
+in that path's `row_sink` [batch, 1, min(sink, max pad), dim] (row b in its first min(pad_b, sink) slots) and
+put back over the dequantized body in what `update` returns. The recent window is aligned at the end, so
+with channel formats (per token) every real token of a padded row is then stored and returned exactly as the
+row alone, unpadded, would store it (also across decode steps, crops, batch selection and reordering and a
+prefill in chunks); pads are stored like any token, and the attention mask hides them. Token-axis formats
+(`policy.block_of` > 1) still count their blocks from position `sink` over the pads, so beyond its sink a
+padded row is stored as today, not as alone. Without `left_padding` the pads are tokens to the cache: they
+fill a padded row's sink while its real first tokens are quantized (with sink=0 and channel formats every row
+is still stored as alone). The engine (`quantmla.engine`) needs no padding.
 """
 
 from __future__ import annotations
@@ -77,6 +86,61 @@ def online_rotation(spec: str, dim: int) -> torch.Tensor | None:
     return random_hadamard(dim, torch.Generator().manual_seed(int(spec.partition(":")[2] or 0)))
 
 
+def left_pads(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Pad counts of a left-padded attention mask [batch, tokens] (1 real, 0 pad): int64 [batch], on the mask's
+    device. Raises ValueError naming the row if a row has a pad after a real token (not left padding) or no
+    real token at all (its pad count would be its whole length)."""
+    if attention_mask.dim() != 2:
+        raise ValueError(f"left_pads takes an attention mask [batch, tokens], got {tuple(attention_mask.shape)}")
+    real = attention_mask.bool()
+    pads = (real.cumsum(-1) == 0).sum(-1)
+    for row, (pad, n_real) in enumerate(zip(pads.tolist(), real.sum(-1).tolist())):
+        if pad == real.shape[-1]:
+            raise ValueError(f"left_pads: row {row} of the attention mask has no real token")
+        if pad + n_real != real.shape[-1]:
+            raise ValueError(f"left_pads: row {row} of the attention mask has a pad after a real token; this is "
+                             "not left padding")
+    return pads
+
+
+def _check_left_padding(left_padding) -> torch.Tensor | None:
+    """left_padding as an int64 CPU tensor [batch] (None stays None); ValueError unless one whole count >= 0 per
+    row."""
+    if left_padding is None:
+        return None
+    pads = torch.as_tensor(left_padding)
+    if pads.dim() != 1 or pads.dtype not in (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8):
+        raise ValueError("left_padding takes one whole pad count per row ([batch] integers), got "
+                         f"{pads.dtype} of shape {tuple(pads.shape)}")
+    if (pads < 0).any():
+        raise ValueError(f"left_padding counts must be >= 0, got {pads.tolist()}")
+    return pads.to("cpu", torch.int64)
+
+
+def _row_sink_slots(pads: torch.Tensor, sink: int, span: int, start: int, end: int):
+    """(rows, slots, positions), int64 [k] each: the `row_sink` slots whose token sits at a position in
+    [start, end). Slot j of row b holds its real token at position max(pads[b], sink) + j, for
+    j < min(pads[b], sink): its real sink tokens past the shared sink."""
+    j = torch.arange(span, device=pads.device)
+    pos = pads.clamp(min=sink)[:, None] + j
+    rows = torch.arange(len(pads), device=pads.device)[:, None].expand_as(pos)
+    use = (j < pads.clamp(max=sink)[:, None]) & (pos >= start) & (pos < end)
+    return rows[use], j.expand_as(pos)[use], pos[use]
+
+
+# Row operations (of batch selection and reordering) on any [batch, ...] tensor, on its own device.
+def _gather_rows(idx: torch.Tensor):
+    return lambda t: t.index_select(0, idx.to(t.device))
+
+
+def _select_rows(indices):
+    return lambda t: t[indices.to(t.device) if isinstance(indices, torch.Tensor) else indices, ...]
+
+
+def _repeat_rows(repeats: int):
+    return lambda t: t.repeat_interleave(repeats, dim=0)
+
+
 def _cat_packed(a: Packed, b: Packed) -> Packed:
     fields = zip((a.codes, a.scale, a.zero), (b.codes, b.scale, b.zero))
     return Packed(*(None if x is None else torch.cat([x, y], dim=-2) for x, y in fields))
@@ -85,7 +149,9 @@ def _cat_packed(a: Packed, b: Packed) -> Packed:
 @dataclass
 class PathStore:
     """One path (content or RoPE) of one layer, in token order: sink [B,1,s,D] ++ body (Packed, n tokens) ++
-    staging [B,1,w,D] (token-axis formats only: w < group) ++ recent [B,1,r,D]."""
+    staging [B,1,w,D] (token-axis formats only: w < group) ++ recent [B,1,r,D]. With left padding, row_sink
+    [B,1,e,D] also holds each padded row's real sink tokens past position `sink` (module docstring), which
+    `append` puts back over the history it returns; e = 0 without padding."""
 
     fmt: QuantFormat
     what: str  # "layer 3 content": named in every error
@@ -94,13 +160,16 @@ class PathStore:
     recent: torch.Tensor
     staging: torch.Tensor | None = None
     rotation: torch.Tensor | None = None  # [D, D] orthogonal: the body holds x @ rotation.T
+    row_sink: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, like: torch.Tensor, fmt: QuantFormat, what: str, rotation: torch.Tensor | None = None
-              ) -> PathStore:
+    def empty(cls, like: torch.Tensor, fmt: QuantFormat, what: str, rotation: torch.Tensor | None = None,
+              row_sink: int = 0) -> PathStore:
+        """No tokens yet, for like's batch, width and dtype; row_sink: the slots per row of `row_sink`."""
         none = like[..., :0, :]
         # Quantizing zero tokens gives a body of the right dtypes and trailing shapes to concatenate onto.
-        return cls(fmt, what, none.clone(), quantize(none.clone(), fmt, what), none.clone(), none.clone(), rotation)
+        return cls(fmt, what, none.clone(), quantize(none.clone(), fmt, what), none.clone(), none.clone(), rotation,
+                   like.new_zeros((like.shape[0], 1, row_sink, like.shape[-1])))
 
     @property
     def block(self) -> int:
@@ -122,14 +191,21 @@ class PathStore:
         if self.fmt.kind != "bf16":
             check_finite(x, self.what)  # fail at the call that brought the NaN, not when it leaves the window
 
-    def append(self, x: torch.Tensor, config: CacheConfig, checked: bool = False) -> torch.Tensor:
+    def append(self, x: torch.Tensor, config: CacheConfig, checked: bool = False,
+               pads: torch.Tensor | None = None) -> torch.Tensor:
         """Add tokens x [B,1,n,D]; quantize whatever leaves the window; return the whole history [B,1,T,D].
-        checked=True: the caller has run `check(x)` already."""
+        checked=True: the caller has run `check(x)` already. pads: int64 [B], each row's left padding; needed
+        where `row_sink` has slots (`empty(row_sink=...)`)."""
         if not checked:
             self.check(x)
         if not len(self) and x.shape[0] != self.sink.shape[0]:  # emptied by a crop: its empty rows take x's batch
             self.map(lambda t: t.new_empty((x.shape[0], *t.shape[1:])))
-        length = len(self) + x.shape[-2]
+        start = len(self)
+        if self.row_sink.shape[-2]:
+            # Kept as given before anything is quantized; a token that comes again after a crop is kept again.
+            rows, slots, pos = _row_sink_slots(pads, config.sink, self.row_sink.shape[-2], start, start + x.shape[-2])
+            self.row_sink[rows, 0, slots] = x[rows, 0, pos - start]
+        length = start + x.shape[-2]
         take = min(x.shape[-2], config.sink - self.sink.shape[-2])
         if take > 0:
             self.sink = torch.cat([self.sink, x[..., :take, :]], dim=-2)
@@ -147,7 +223,11 @@ class PathStore:
         # clone: do not keep the larger buffers alive
         self.staging = held[..., ready : held.shape[-2] - keep, :].clone()
         self.recent = held[..., held.shape[-2] - keep :, :].clone()
-        return torch.cat([self.sink, self.dequantized_body(), self.staging, self.recent], dim=-2)
+        out = torch.cat([self.sink, self.dequantized_body(), self.staging, self.recent], dim=-2)
+        if self.row_sink.shape[-2]:
+            rows, slots, pos = _row_sink_slots(pads, config.sink, self.row_sink.shape[-2], 0, length)
+            out[rows, 0, pos] = self.row_sink[rows, 0, slots]
+        return out
 
     def dequantized_body(self) -> torch.Tensor:
         """The body in the sink's dtype, rotated back where the path has an online rotation."""
@@ -157,12 +237,12 @@ class PathStore:
         return (body @ self.rotation.to(body.device)).to(self.sink.dtype)
 
     def tensors(self) -> list[torch.Tensor]:
-        return [self.sink, *self.body.tensors(), self.staging, self.recent]
+        return [self.sink, *self.body.tensors(), self.staging, self.recent, self.row_sink]
 
     def map(self, fn) -> None:
         """Apply fn to every stored tensor (batch selection, beam reordering, device moves)."""
         self.sink, self.recent, self.body = fn(self.sink), fn(self.recent), _map_packed(self.body, fn)
-        self.staging = fn(self.staging)
+        self.staging, self.row_sink = fn(self.staging), fn(self.row_sink)
 
     def check_crop(self, n: int) -> None:
         """Raise, changing nothing, if the last n tokens cut a quantized block (token-axis formats)."""
@@ -175,7 +255,8 @@ class PathStore:
 
     def crop_last(self, n: int) -> None:
         """Drop the last n tokens, from the recent window first, then staging, the body, then the sink
-        (`check_crop` first: a cut through a block would be wrong)."""
+        (`check_crop` first: a cut through a block would be wrong). `row_sink` keeps its slots: a slot past the
+        new length is not returned, and is kept again when its position is appended again."""
         for part in ("recent", "staging"):
             cut = min(n, getattr(self, part).shape[-2])
             setattr(self, part, _drop_last(getattr(self, part), cut))
@@ -189,6 +270,7 @@ class PathStore:
     def report(self) -> dict:
         return {"format": str(self.fmt), "quantized_tokens": self.n_body, "staged_tokens": self.staging.shape[-2],
                 "protected_tokens": self.sink.shape[-2] + self.recent.shape[-2],
+                "row_sink_slots": self.row_sink.shape[-2],
                 "bytes": sum(t.numel() * t.element_size() for t in self.tensors())}
 
 
@@ -202,10 +284,14 @@ class QuantMLALayer(DynamicLayer):
 
     is_croppable = False  # crop() works, but tokens quantized on leaving the window do not come back to BF16
 
-    def __init__(self, config: CacheConfig = CacheConfig(), layer_idx: int | None = None):
+    def __init__(self, config: CacheConfig = CacheConfig(), layer_idx: int | None = None,
+                 left_padding: torch.Tensor | None = None):
+        """left_padding: int64 [batch] on the CPU, each row's pad count (see QuantMLACache); it follows the rows
+        through batch selection and reordering, and a reset keeps it."""
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
+        self.left_padding = left_padding
         self.content: PathStore | None = None
         self.rope: PathStore | None = None
 
@@ -232,13 +318,19 @@ class QuantMLALayer(DynamicLayer):
         self.config.content.check_dim(key_states.shape[-1], f"{self._name} content")
         self.config.rope.check_dim(value_states.shape[-1], f"{self._name} rope")
         self.device = key_states.device
-        self.content = PathStore.empty(key_states, self.config.content, f"{self._name} content")
+        # Slots for the real sink tokens that padding pushes past the shared sink: min(pad, sink) per row.
+        row_sink = 0 if self.left_padding is None else min(self.config.sink, int(self.left_padding.max()))
+        self.content = PathStore.empty(key_states, self.config.content, f"{self._name} content", row_sink=row_sink)
         rotation = online_rotation(self.config.rope_rotation, value_states.shape[-1])
-        self.rope = PathStore.empty(value_states, self.config.rope, f"{self._name} rope", rotation)
+        self.rope = PathStore.empty(value_states, self.config.rope, f"{self._name} rope", rotation, row_sink)
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Store c [B,1,n,dc] and k_pe [B,1,n,dr]; return the held history of each, [B,1,T,*], input dtype."""
+        if self.left_padding is not None and len(self.left_padding) != key_states.shape[0]:
+            raise ValueError(f"QuantMLACache {self._name}: left_padding has {len(self.left_padding)} pad counts, one "
+                             f"per row, but the batch has {key_states.shape[0]} rows (generate repeats each row "
+                             "max(num_beams, num_return_sequences) times: repeat_interleave the counts as well)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_shapes(key_states, value_states)
@@ -246,8 +338,9 @@ class QuantMLALayer(DynamicLayer):
         # call ahead of the other (later calls would return histories of different lengths).
         self.content.check(key_states)
         self.rope.check(value_states)
-        return (self.content.append(key_states, self.config, checked=True),
-                self.rope.append(value_states, self.config, checked=True))
+        pads = self.left_padding
+        return (self.content.append(key_states, self.config, checked=True, pads=pads),
+                self.rope.append(value_states, self.config, checked=True, pads=pads))
 
     def get_seq_length(self) -> int:
         return len(self.content) if self.is_initialized else 0
@@ -281,15 +374,22 @@ class QuantMLALayer(DynamicLayer):
         for p in self._paths():
             p.map(fn)
 
+    def _map_rows(self, fn) -> None:
+        """`_map` for batch selection and reordering: the pad counts (on the CPU) follow the rows, also in a layer
+        not initialized yet."""
+        self._map(fn)
+        if self.left_padding is not None:
+            self.left_padding = fn(self.left_padding)
+
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # Exact: the body is quantized per token and per sequence, so rows can be gathered without a round trip.
-        self._map(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._map_rows(_gather_rows(beam_idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map(lambda t: t[indices, ...])
+        self._map_rows(_select_rows(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._map_rows(_repeat_rows(repeats))
 
     def offload(self):
         self._map(lambda t: t.to("cpu", non_blocking=True))
@@ -305,13 +405,18 @@ class QuantMLACache(Cache):
                 per-layer formats (`CacheConfig.layers`) layer i stores `config.at(i)`'s.
     num_layers: number of `cache.update` layer indices the model uses (LongCat-Flash: two per decoder layer);
                 None adds layers lazily as they are first updated.
+    left_padding: for a left-padded batch, each row's pad count: a list of ints or an integer tensor [batch],
+                e.g. `left_pads(attention_mask)`; every update must then have that many rows (ValueError
+                otherwise; generate's beam search repeats rows before the first update, so repeat the counts
+                too). Each row's sink is then its first `sink` real tokens, and with channel formats each row
+                is stored exactly as alone (module docstring, "Padding"). None (default): no padding.
 
     Layout, update semantics and how to pass it to `model(...)` / `generate(...)`: see the module docstring.
     memory_bytes() counts every stored tensor (numel * element_size): packed codes, scales, zeros and the
-    protected tokens in their input dtype.
+    protected tokens in their input dtype, the row sinks of left padding included.
     """
 
-    def __init__(self, config: CacheConfig = CacheConfig(), num_layers: int | None = None):
+    def __init__(self, config: CacheConfig = CacheConfig(), num_layers: int | None = None, left_padding=None):
         # Refused here: the layers read it lazily, so a wrong type would fail only inside the model's forward
         # (None: cache_config_of on a checkpoint never calibrated).
         if not isinstance(config, CacheConfig):
@@ -321,7 +426,11 @@ class QuantMLACache(Cache):
                             f"{type(config).__name__}{hint}")
         self.config = config
         self.num_layers = num_layers
-        layers = [] if num_layers is None else [QuantMLALayer(config.at(i), i) for i in range(num_layers)]
+        # Every layer keeps its own copy; this one seeds the layers added lazily. All follow the rows through batch
+        # selection and reordering.
+        self.left_padding = _check_left_padding(left_padding)
+        layers = [] if num_layers is None else [QuantMLALayer(config.at(i), i, self.left_padding)
+                                                for i in range(num_layers)]
         super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -330,8 +439,24 @@ class QuantMLACache(Cache):
             raise ValueError(f"QuantMLACache was built for {self.num_layers} layers but got layer_idx={layer_idx} "
                              "(LongCat-Flash uses two per decoder layer); pass num_layers=None to add them lazily")
         while len(self.layers) <= layer_idx:
-            self.layers.append(QuantMLALayer(self.config.at(len(self.layers)), len(self.layers)))
+            self.layers.append(QuantMLALayer(self.config.at(len(self.layers)), len(self.layers), self.left_padding))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _map_seed_rows(self, fn) -> None:
+        if self.left_padding is not None:
+            self.left_padding = fn(self.left_padding)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._map_seed_rows(_gather_rows(beam_idx))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._map_seed_rows(_select_rows(indices))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._map_seed_rows(_repeat_rows(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
         """`QuantMLALayer.crop` on every layer, checked on all of them before any is cut: a crop through a
@@ -356,9 +481,9 @@ class QuantMLACache(Cache):
         return self.memory_bytes() / tokens / layers if tokens and layers else 0.0
 
     def memory_report(self) -> dict:
-        """Per path: format, quantized, staged and protected tokens per layer (one value where every layer
-        agrees, else a list in layer order: a calibrated checkpoint's formats differ per layer), and bytes over
-        all layers."""
+        """Per path: format, quantized, staged and protected tokens and row-sink slots (left padding) per layer
+        (one value where every layer agrees, else a list in layer order: a calibrated checkpoint's formats differ
+        per layer), and bytes over all layers."""
         live = [layer for layer in self.layers if layer.is_initialized]
         report = {"layers": len(live), "tokens": live[0].get_seq_length() if live else 0,
                   "bytes": self.memory_bytes(), "bytes_per_token": self.bytes_per_token()}
