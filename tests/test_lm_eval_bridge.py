@@ -93,6 +93,38 @@ def test_generation_runs_through_a_fresh_quantized_cache(tiny, monkeypatch):
     assert len(seen) == 2 and seen[0] is not seen[1]
 
 
+def test_a_left_padded_generation_batch_generates_as_batch_size_1(tiny, monkeypatch):
+    """lm-eval left-pads generation batches: the bridge tells the cache each row's padding, so batch_size=2
+    generates what batch_size=1 does with INT4 and a sink of 4; untold (pads counted as 0), the shorter row's
+    real sink is quantized and its generation changes (so this test can fail)."""
+    import quantmla.eval.lm_eval_bridge as bridge
+
+    model, tok = tiny
+    contexts = ["def add(a, b):\n    return a", "x = 1"]
+    reqs = [Instance("generate_until", {}, (c, {"until": ["\n\n"], "max_gen_toks": 12}), i)
+            for i, c in enumerate(contexts)]
+
+    def generate(batch_size):
+        lm = QuantMLALM(pretrained=model, tokenizer=tok, batch_size=batch_size, method="rtn", content="int4",
+                        rope="int4", sink=4, recent=2)
+        return lm.generate_until(reqs, disable_tqdm=True)
+
+    seen = []
+    real = model.generate
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("cache", kwargs.get("past_key_values")).left_padding.tolist())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    alone, batched = generate(1), generate(2)
+    pads = len(tok(contexts[0])["input_ids"]) - len(tok(contexts[1])["input_ids"])
+    assert pads > 0 and seen == [[0], [0], [0, pads]]  # lm-eval batches the longest context first
+    assert batched == alone
+    monkeypatch.setattr(bridge, "left_pads", lambda mask: torch.zeros(len(mask), dtype=torch.long))
+    assert generate(2) != alone
+
+
 def test_local_tasks_through_the_registered_model(tiny_dir):
     """Through lm-eval's own task pipeline: method bf16 reproduces lm-eval's plain `hf` model sample by sample
     (log-likelihoods of every choice, generated needles), and an INT2 cache changes the log-likelihoods."""

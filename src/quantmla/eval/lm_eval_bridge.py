@@ -27,8 +27,12 @@ model_args (besides HFLM's own: device, dtype, batch_size, max_length, ...):
                call in chunks of N tokens through one cache (error <= N - 1 tokens of window per query,
                slower by about length / N forwards).
 
-Generation batches are left-padded by lm-eval, so padding tokens of shorter prompts fill that row's sink
-slots and shift its window; use batch_size=1 for generation tasks when exactness matters.
+Generation batches are left-padded by lm-eval; `_model_generate` tells the cache each row's padding (from
+the attention mask lm-eval passes it), so each row's sink is its own first tokens and, with channel formats,
+a padded row is cached as it would be with batch_size=1 (what remains is the float rounding that batching
+brings to any HF model's generations). Token-axis formats (e.g. int4:t64) still count their blocks over the
+pads (the `quantmla.cache.quant_cache` docstring, "Padding"): use batch_size=1 with them when exactness
+matters.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ import torch
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
-from quantmla.cache.quant_cache import QuantMLACache
+from quantmla.cache.quant_cache import QuantMLACache, left_pads
 from quantmla.data import default_model_dir
 from quantmla.eval.methods import MethodArgs, apply_method, check_method
 from quantmla.models.adapters import cache_kwargs, check_checkpoint_dir
@@ -95,8 +99,8 @@ class QuantMLALM(HFLM):
         self._model, self.cache_config = apply_method(method, self._model, args)
         self.method, self.chunk = method, chunk
 
-    def _cache_kwargs(self) -> dict:
-        return cache_kwargs(self.model, QuantMLACache(self.cache_config))
+    def _cache_kwargs(self, left_padding=None) -> dict:
+        return cache_kwargs(self.model, QuantMLACache(self.cache_config, left_padding=left_padding))
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         """Logits [batch, seq, vocab] of inps [batch, seq] with a fresh quantized cache (causal models only)."""
@@ -109,5 +113,17 @@ class QuantMLALM(HFLM):
                               for a in range(0, inps.shape[1], step)], dim=1)
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
-        return super()._model_generate(context, max_length, stop, **generation_kwargs, **self._cache_kwargs())
+        """HFLM's, with a fresh cache told each row's left padding: context [batch, tokens] is left-padded, and
+        generation_kwargs["attention_mask"] (as generate_until passes it) says where."""
+        mask = generation_kwargs.get("attention_mask")
+        # generate repeats each row before the first forward (beam search, several sequences): so do the counts.
+        pads = None if mask is None else left_pads(mask).repeat_interleave(self._rows_per_context(generation_kwargs))
+        return super()._model_generate(context, max_length, stop, **generation_kwargs, **self._cache_kwargs(pads))
+
+    def _rows_per_context(self, generation_kwargs: dict) -> int:
+        """Rows generate makes of each context: max(num_beams, num_return_sequences), as generate counts them,
+        from the call's kwargs else the model's generation config."""
+        config = self.model.generation_config
+        return max(generation_kwargs.get(k, getattr(config, k, None)) or 1
+                   for k in ("num_beams", "num_return_sequences"))
 
