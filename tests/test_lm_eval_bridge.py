@@ -65,14 +65,33 @@ def test_bf16_matches_plain_hflm_and_int2_changes_it(tiny):
     model, tok = tiny
     plain = loglikelihoods(HFLM(pretrained=model, tokenizer=tok, batch_size=2))
     bf16 = loglikelihoods(QuantMLALM(pretrained=model, tokenizer=tok, batch_size=2, method="bf16"))
-    chunked = loglikelihoods(QuantMLALM(pretrained=model, tokenizer=tok, batch_size=2, method="bf16", chunk=7))
     assert bf16 == pytest.approx(plain, abs=1e-4)
-    assert chunked == pytest.approx(plain, abs=1e-4)
     int2 = QuantMLALM(pretrained=model, tokenizer=tok, batch_size=2, method="rtn", content="int2", rope="int2",
                       sink=0, recent=8)
     assert str(int2.cache_config.content) == "int2:32"
     changed = loglikelihoods(int2)
     assert max(abs(a - b) for a, b in zip(changed, plain)) > 1e-3
+
+
+def test_loglikelihoods_are_served_and_do_not_depend_on_the_batch(tiny):
+    """lm-eval right-pads a loglikelihood batch to its longest request. Through a cache quantizing what left the
+    window at the end of the padded forward, a shorter row saw its last real tokens quantized (the window was
+    the pads') and scored otherwise than alone. Under serving semantics every query sees its own last `recent`
+    tokens in BF16, so batch_size=3 scores what batch_size=1 does, and what `quantmla eval`'s serving forward
+    gives each request alone."""
+    from quantmla.eval.serving import serving_logits
+
+    model, tok = tiny
+    args = dict(pretrained=model, tokenizer=tok, method="rtn", content="int2", rope="int4", sink=4, recent=8)
+    one = loglikelihoods(QuantMLALM(batch_size=1, **args))
+    three = QuantMLALM(batch_size=3, **args)
+    assert loglikelihoods(three) == pytest.approx(one, abs=1e-5)
+    context, continuation = REQUESTS[0]  # the shortest: right-padded in the batch of 3
+    ctx, cont = tok(context)["input_ids"], tok(continuation, add_special_tokens=False)["input_ids"]
+    ids = torch.tensor([ctx + cont])
+    logp = serving_logits(model, ids[:, :-1], three.cache_config, ids.shape[1] - 1).log_softmax(-1)
+    expected = logp[0, -len(cont):].gather(-1, torch.tensor(cont)[:, None]).sum().item()
+    assert one[0] == pytest.approx(expected, abs=1e-5)
 
 
 def test_generation_runs_through_a_fresh_quantized_cache(tiny, monkeypatch):
@@ -174,7 +193,6 @@ def test_cli_hands_its_arguments_to_lm_eval(monkeypatch):
     (dict(pretrained="/nonexistent/checkpoint"), FileNotFoundError, "model directory not found"),
     (dict(contnet="int2"), ValueError, "did you mean 'content'"),
     (dict(sink="abc"), ValueError, "sink='abc': expected a whole number"),
-    (dict(chunk=-1), ValueError, "chunk must be >= 0, got -1"),
     (dict(method="rtn", budget=0.2), ValueError, "takes no byte budget"),  # budget is read, and checked
     (dict(method="nope"), ValueError, "unknown method 'nope'"),
 ])

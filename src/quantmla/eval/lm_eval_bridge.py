@@ -1,8 +1,14 @@
 """lm-evaluation-harness bridge: evaluate any HF MLA model with any quantmla cache method through lm-eval.
 
-Importing this module registers the lm-eval model ``quantmla``: lm-eval's own HFLM, except that every
-forward (loglikelihood) and every `generate` call goes through a fresh `QuantMLACache`, whose `update`
-returns what it really holds, so the scored tokens attend to the quantized history.
+Importing this module registers the lm-eval model ``quantmla``: lm-eval's own HFLM, except that
+- every loglikelihood forward attends as a server does (`quantmla.eval.serving`): each query sees the sink
+  and its own last `recent` tokens as computed and every other token as the cache stores it. A query never
+  sees a later token, so the right padding of lm-eval's batches changes nothing: with channel formats a row
+  scores what it scores with batch_size=1, at any length;
+- every `generate` call goes through a fresh `QuantMLACache`, whose `update` returns what it really holds, so
+  the generated tokens attend to the quantized history (the prompt is prefilled in one call, so its own
+  tokens already see the keys older than the last `recent` of the whole prompt quantized: pessimistic
+  against a server, whose prefill is per query as above).
 
 From the shell, `quantmla lm-eval` is lm-eval's own CLI with this model registered (device, batch size and
 the rest as lm-eval's flags; the cache method in --model_args):
@@ -20,12 +26,6 @@ model_args (besides HFLM's own: device, dtype, batch_size, max_length, ...):
   method       a name from quantmla.eval.methods.METHODS (bf16, fp8, fp8-content, rtn, rtn-content, ...)
   content, rope, sink, recent   the method's options, as `quantmla eval` spells them
   budget       quantmla only: the cache as a fraction of BF16's at 128 K tokens, formats chosen per layer
-  chunk        0 (default): one forward per loglikelihood call, as HFLM does. Tokens are quantized when they
-               leave the recent window at the end of that forward, so a scored continuation of L tokens sees
-               up to L - 1 of its oldest window tokens quantized early: nearly exact for short continuations
-               (multiple choice), pessimistic for whole documents (loglikelihood_rolling). N > 0 feeds each
-               call in chunks of N tokens through one cache (error <= N - 1 tokens of window per query,
-               slower by about length / N forwards).
 
 Generation batches are left-padded by lm-eval; `_model_generate` tells the cache each row's padding (from
 the attention mask lm-eval passes it), so each row's sink is its own first tokens and, with channel formats,
@@ -47,9 +47,10 @@ from lm_eval.models.huggingface import HFLM
 from quantmla.cache.quant_cache import QuantMLACache, left_pads
 from quantmla.data import default_model_dir
 from quantmla.eval.methods import MethodArgs, apply_method, check_method
+from quantmla.eval.serving import serving
 from quantmla.models.adapters import cache_kwargs, check_checkpoint_dir
 
-OPTIONS = ("pretrained", "method", "content", "rope", "sink", "recent", "budget", "chunk")
+OPTIONS = ("pretrained", "method", "content", "rope", "sink", "recent", "budget")
 
 
 def _whole(name: str, value) -> int:
@@ -78,7 +79,7 @@ class QuantMLALM(HFLM):
     """HFLM whose forwards and generations run through QuantMLACache(cache_config)."""
 
     def __init__(self, pretrained=None, method: str = "bf16", content: str | None = None, rope: str | None = None,
-                 sink: int | None = None, recent: int | None = None, budget: float | None = None, chunk: int = 0,
+                 sink: int | None = None, recent: int | None = None, budget: float | None = None,
                  **kwargs):
         _check_names(kwargs)
         if pretrained is None:
@@ -86,9 +87,6 @@ class QuantMLALM(HFLM):
         if isinstance(pretrained, str):
             check_checkpoint_dir(pretrained)  # a local directory: no machine here reaches a model hub
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
-        chunk = _whole("chunk", chunk)
-        if chunk < 0:
-            raise ValueError(f"model_args chunk must be >= 0, got {chunk}")
         # lm-eval parses model_args values itself: "int4" stays a string, "4" becomes an int.
         args = MethodArgs(None if content is None else str(content), None if rope is None else str(rope),
                           None if sink is None else _whole("sink", sink),
@@ -97,20 +95,18 @@ class QuantMLALM(HFLM):
         check_method(method, args)  # before the model loads: a bad option costs nothing
         super().__init__(pretrained=pretrained, **kwargs)
         self._model, self.cache_config = apply_method(method, self._model, args)
-        self.method, self.chunk = method, chunk
+        self.method = method
 
     def _cache_kwargs(self, left_padding=None) -> dict:
         return cache_kwargs(self.model, QuantMLACache(self.cache_config, left_padding=left_padding))
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
-        """Logits [batch, seq, vocab] of inps [batch, seq] with a fresh quantized cache (causal models only)."""
+        """Logits [batch, seq, vocab] of inps [batch, seq] (windows from position 0, right-padded) under serving
+        semantics for the method's cache config (causal models only)."""
         if attn_mask is not None or labels is not None:
             raise ValueError("the quantmla lm-eval model supports decoder-only (causal) models only")
-        with torch.no_grad():
-            kw = self._cache_kwargs()
-            step = self.chunk or inps.shape[1]
-            return torch.cat([self.model(inps[:, a:a + step], use_cache=True, **kw).logits
-                              for a in range(0, inps.shape[1], step)], dim=1)
+        with torch.no_grad(), serving(self.model, self.cache_config):
+            return self.model(input_ids=inps, use_cache=False).logits
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
         """HFLM's, with a fresh cache told each row's left padding: context [batch, tokens] is left-padded, and
