@@ -164,3 +164,39 @@ def test_teacher_forced_needles_are_greedy_generation(default_model, config, exp
     assert forced == greedy == expected
     assert retrieval.accuracy(model, config, codec, samples, batch=8) == sum(expected) / 8  # batched alike
     assert retrieval.outcomes(model, config, codec, samples, batch=3) == expected  # in sample order, batched
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "minicpm3", "longcat_flash"])
+@pytest.mark.parametrize("name", ["int4/int4", "int2 clipped/int4", "rope rotation", "per-layer"])
+def test_served_prefill_generates_as_the_serving_forward(family, name):
+    """generate over a left-padded batch inside `served_prefill`, through a QuantMLACache told the padding: at
+    every step each row's logits are those of the serving forward over that row alone, unpadded (prompt and
+    generated tokens so far). Without it the prompt's prefill goes through the cache in one call, so its
+    tokens see keys older than the prompt's last `recent` quantized, and the logits move (so this can fail)."""
+    from quantmla.eval.serving import served_prefill
+
+    model = tiny_model(family)
+    layer = describe(model)[0]
+    if name == "per-layer" and len(describe(model)) != 3:
+        pytest.skip("the per-layer config has formats for 3 cache layers")
+    config = CONFIGS[name].fit(layer.kv_lora_rank, layer.rope_dim)
+    gen = torch.Generator().manual_seed(3)
+    rows = [torch.randint(3, 128, (n,), generator=gen) for n in (30, 19)]
+    pads = [30 - len(r) for r in rows]
+    ids = torch.stack([torch.cat([torch.zeros(p, dtype=torch.long), r]) for p, r in zip(pads, rows)])
+    mask = (torch.arange(30)[None] >= torch.tensor(pads)[:, None]).long()
+
+    def generate(served: bool):
+        cache = QuantMLACache(config, left_padding=pads)
+        with torch.no_grad(), (served_prefill(model, config) if served else torch.enable_grad()):
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0,
+                                 return_dict_in_generate=True, output_logits=True, **cache_kwargs(model, cache))
+        return out.sequences[:, 30:], torch.stack(out.logits, dim=1)  # [2, 5], [2, 5, vocab]
+
+    new, logits = generate(served=True)
+    served = [serving_logits(model, torch.cat([r, new[b, :-1]])[None], config, 5)[0] for b, r in enumerate(rows)]
+    torch.testing.assert_close(logits, torch.stack(served), atol=5e-5, rtol=5e-5)
+    assert all(isinstance(attention_module(model, la), type(attention_module(tiny_model(family), la)))
+               for la in describe(model))  # the modules came back
+    _, pessimistic = generate(served=False)
+    assert (pessimistic[:, 0] - logits[:, 0]).abs().amax() > 2e-4  # 4x the tolerance above

@@ -18,6 +18,8 @@ from lm_eval.tasks import TaskManager  # noqa: E402
 
 from quantmla.cache.quant_cache import QuantMLACache  # noqa: E402
 from quantmla.eval.lm_eval_bridge import QuantMLALM  # noqa: E402
+from quantmla.eval.serving import ServedPrefillAttention  # noqa: E402
+from quantmla.models.adapters import describe  # noqa: E402
 from quantmla.models.tiny import tiny_model  # noqa: E402
 
 TASKS_DIR = Path(__file__).parent / "data" / "lm_eval_tasks"
@@ -97,11 +99,13 @@ def test_loglikelihoods_are_served_and_do_not_depend_on_the_batch(tiny):
 def test_generation_runs_through_a_fresh_quantized_cache(tiny, monkeypatch):
     model, tok = tiny
     lm = QuantMLALM(pretrained=model, tokenizer=tok, method="rtn", content="int2", recent=16)
-    seen = []
+    seen, modules = [], []
     real = model.generate
+    first = describe(model)[0].module
 
     def spy(*args, **kwargs):
         seen.append(kwargs.get("cache", kwargs.get("past_key_values")))
+        modules.append(type(model.get_submodule(first)))  # the prompt is prefilled as served
         return real(*args, **kwargs)
 
     monkeypatch.setattr(model, "generate", spy)
@@ -110,6 +114,8 @@ def test_generation_runs_through_a_fresh_quantized_cache(tiny, monkeypatch):
         lm._model_generate(context, context.shape[1] + 3, stop=["\n"])
     assert all(isinstance(c, QuantMLACache) and c.config == lm.cache_config for c in seen)
     assert len(seen) == 2 and seen[0] is not seen[1]
+    assert modules == [ServedPrefillAttention] * 2
+    assert type(model.get_submodule(first)) is not ServedPrefillAttention  # and put back
 
 
 def test_a_left_padded_generation_batch_generates_as_batch_size_1(tiny, monkeypatch):

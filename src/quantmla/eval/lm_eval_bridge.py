@@ -5,10 +5,9 @@ Importing this module registers the lm-eval model ``quantmla``: lm-eval's own HF
   and its own last `recent` tokens as computed and every other token as the cache stores it. A query never
   sees a later token, so the right padding of lm-eval's batches changes nothing: with channel formats a row
   scores what it scores with batch_size=1, at any length;
-- every `generate` call goes through a fresh `QuantMLACache`, whose `update` returns what it really holds, so
-  the generated tokens attend to the quantized history (the prompt is prefilled in one call, so its own
-  tokens already see the keys older than the last `recent` of the whole prompt quantized: pessimistic
-  against a server, whose prefill is per query as above).
+- every `generate` call prefills the prompt under the same serving semantics and writes it to a fresh
+  `QuantMLACache`, through which it decodes (`quantmla.eval.serving.served_prefill`), so every prompt and
+  generated token attends as on a server.
 
 From the shell, `quantmla lm-eval` is lm-eval's own CLI with this model registered (device, batch size and
 the rest as lm-eval's flags; the cache method in --model_args):
@@ -47,7 +46,7 @@ from lm_eval.models.huggingface import HFLM
 from quantmla.cache.quant_cache import QuantMLACache, left_pads
 from quantmla.data import default_model_dir
 from quantmla.eval.methods import MethodArgs, apply_method, check_method
-from quantmla.eval.serving import serving
+from quantmla.eval.serving import served_prefill, serving
 from quantmla.models.adapters import cache_kwargs, check_checkpoint_dir
 
 OPTIONS = ("pretrained", "method", "content", "rope", "sink", "recent", "budget")
@@ -114,7 +113,9 @@ class QuantMLALM(HFLM):
         mask = generation_kwargs.get("attention_mask")
         # generate repeats each row before the first forward (beam search, several sequences): so do the counts.
         pads = None if mask is None else left_pads(mask).repeat_interleave(self._rows_per_context(generation_kwargs))
-        return super()._model_generate(context, max_length, stop, **generation_kwargs, **self._cache_kwargs(pads))
+        with served_prefill(self.model, self.cache_config):
+            return super()._model_generate(context, max_length, stop, **generation_kwargs,
+                                           **self._cache_kwargs(pads))
 
     def _rows_per_context(self, generation_kwargs: dict) -> int:
         """Rows generate makes of each context: max(num_beams, num_return_sequences), as generate counts them,

@@ -100,28 +100,81 @@ class ServingAttention(nn.Module):
                                  self.query_block), None
 
 
+def _rows_rolled(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
+    """x [B, L, ...] with row b rolled left by shift[b]: out[b, i] = x[b, (i + shift[b]) % L]."""
+    L = x.shape[1]
+    idx = (torch.arange(L, device=x.device)[None] + shift.to(x.device)[:, None]) % L
+    return x.gather(1, idx.view(*idx.shape, *[1] * (x.dim() - 2)).expand_as(x))
+
+
+class ServedPrefillAttention(nn.Module):
+    """Stands in for one MLA attention module inside `served_prefill`. The forward that brings an empty
+    QuantMLACache its first tokens (generate's prefill of the prompt, left-padded as the cache's
+    `left_padding` says) attends under serving semantics and writes c and k_pe to the cache; every later
+    forward (a decode step, where the cache's own window gives serving semantics) is the module's own."""
+
+    def __init__(self, attn: nn.Module, layer: MLALayer, config: CacheConfig, query_block: int = QUERY_BLOCK):
+        super().__init__()
+        self.served = ServingAttention(attn, layer, config, query_block)
+
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **kwargs):
+        attn, layer = self.served.attn, self.served.layer
+        cache = kwargs.get("past_key_values", kwargs.get("cache"))
+        if cache is None or cache.get_seq_length(layer.cache_idx) > 0:
+            return attn(hidden_states, position_embeddings=position_embeddings, **kwargs)
+        c, k_pe = project_cache(attn, layer, hidden_states, position_embeddings)
+        cache.update(c[:, None], k_pe[:, None], layer.cache_idx)
+        # Left-padded rows rolled so each starts at its first real token (positions 0.. as HF gives them);
+        # the pads, now last, are seen by no real query.
+        pads = getattr(cache, "left_padding", None)
+        pads = torch.zeros(hidden_states.shape[0], dtype=torch.long) if pads is None else pads
+        B = hidden_states.shape[0]
+
+        def roll(t):  # position embeddings: (cos, sin) [B or 1, T, dr], or DeepSeek-V2's freqs_cis [B or 1, T, dr/2]
+            return _rows_rolled(t.expand(B, *t.shape[1:]), pads)
+
+        pe = position_embeddings
+        out, _ = self.served(roll(hidden_states), tuple(map(roll, pe)) if isinstance(pe, tuple) else roll(pe))
+        return _rows_rolled(out, -pads), None
+
+
 @contextmanager
+def _attention_replaced(model: nn.Module, config: CacheConfig, module, implementation: str | None = None):
+    """Every MLA attention module of `model` replaced by module(attn, layer, its layer's config) (per-layer
+    formats through `config.at`), and the attention implementation by `implementation` where given; both put
+    back on exit."""
+    originals = {}
+    try:
+        for layer in describe(model):
+            attn = attention_module(model, layer)
+            cfg = config.at(layer.cache_idx).fit(layer.kv_lora_rank, layer.rope_dim)
+            model.set_submodule(layer.module, module(attn, layer, cfg))
+            originals[layer.module] = attn
+        own = model.config._attn_implementation
+        model.config._attn_implementation = implementation or own
+        try:
+            yield model
+        finally:
+            model.config._attn_implementation = own
+    finally:
+        for name, attn in originals.items():
+            model.set_submodule(name, attn)
+
+
 def serving(model: nn.Module, config: CacheConfig, query_block: int = QUERY_BLOCK):
     """Within the block, `model(ids, use_cache=False)` over windows starting at position 0 attends with
     serving semantics for `config` (per-layer formats through `config.at`); the model's own attention
     modules and attention implementation are put back on exit."""
-    layers = describe(model)
-    originals = {}
-    try:
-        for layer in layers:
-            attn = attention_module(model, layer)
-            cfg = config.at(layer.cache_idx).fit(layer.kv_lora_rank, layer.rope_dim)
-            model.set_submodule(layer.module, ServingAttention(attn, layer, cfg, query_block))
-            originals[layer.module] = attn
-        implementation = model.config._attn_implementation
-        model.config._attn_implementation = ATTENTION_NAME
-        try:
-            yield model
-        finally:
-            model.config._attn_implementation = implementation
-    finally:
-        for module, attn in originals.items():
-            model.set_submodule(module, attn)
+    return _attention_replaced(model, config, lambda a, la, c: ServingAttention(a, la, c, query_block),
+                               ATTENTION_NAME)
+
+
+def served_prefill(model: nn.Module, config: CacheConfig, query_block: int = QUERY_BLOCK):
+    """Within the block, `model.generate(ids, <cache kwarg>=QuantMLACache(config, left_padding=...))` prefills
+    the prompt under serving semantics (`ServedPrefillAttention`) and decodes through the cache, so every
+    token attends as on a server; the model's own attention modules are put back on exit. With channel
+    formats, exactly `serving` semantics; token-axis formats count blocks over the pads in the cache."""
+    return _attention_replaced(model, config, lambda a, la, c: ServedPrefillAttention(a, la, c, query_block))
 
 
 @torch.no_grad()
