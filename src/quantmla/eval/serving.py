@@ -19,6 +19,9 @@ through `scaled_dot_product_attention` (fp32 softmax; an fp32 model on the CPU c
 each block reads only the keys up to its end, every key once per version some query of the block sees, and
 an additive mask picks for each (query, key) the one version it sees. Neither [L, L] scores nor [L, L]
 masks exist, and `serving_logits` applies the lm_head to the positions asked for only.
+
+`served_prefill(model, config)` is the same for generation: generate's prefill of a (left-padded) prompt
+attends as above and fills a QuantMLACache, whose own window gives the decode steps serving semantics.
 """
 
 from __future__ import annotations
