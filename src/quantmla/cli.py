@@ -676,7 +676,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--token-axis", action=argparse.BooleanOptionalAction, default=False,
                    help="also try KIVI-style token-axis groups (int4:t64, at no more bytes) per path and layer. "
                         "Off by default: `quantmla serve` serves them, but its GPU decode kernel reads them at "
-                        "0.13-0.58x the speed of BF16 (channel formats: 0.68-1.48x); the vLLM plugin not at all")
+                        "0.13-0.59x the speed of BF16 (channel formats: 0.68-1.48x); the vLLM plugin not at all")
     s.add_argument("--ranked", action=argparse.BooleanOptionalAction, default=True,
                    help="also try, on the content path, ranked formats of no more bytes (e.g. int8r128 for int2: "
                         "the principal axes' leading channels at more bits, the rest dropped). Served by "
@@ -750,8 +750,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_eval)
     s = sub.add_parser("lm-eval", help="lm-evaluation-harness with a quantized cache (model 'quantmla')",
                        description="lm-eval's own command line, with the model 'quantmla' registered: lm-eval's "
-                                   "Hugging Face model whose forwards and generations run through a fresh "
-                                   "QuantMLACache. Example: quantmla lm-eval run --model quantmla --device cpu "
+                                   "Hugging Face model whose every token attends as on a server (the sink and the last "
+                                   "recent tokens in BF16, older ones as the cache stores them). Example: quantmla lm-eval run --model quantmla --device cpu "
                                    "--tasks TASKS --model_args pretrained=DIR,method=rtn,content=int4,rope=int4. "
                                    "Needs the eval extra (pip install -e '.[eval]').")
     s.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval (e.g. run --model ...)")

@@ -50,7 +50,9 @@ def decode_step(
     seq_lens [B] int32: tokens cached *before* this step (the kernel then sees seq_lens + 1); block_tables
     [B, max_blocks] int32 must already cover the new token. max_seq_len bounds seq_lens + 1 (None: read on
     the host). checked=False skips the writer's NaN/range checks (see `quantmla.quant.formats.quantize`).
-    kernel: "auto" (Triton on CUDA tensors, the torch reference otherwise), "triton" or "reference".
+    kernel: "auto" (`mla_decode` on CUDA tensors, which runs the Triton, CUDA or many-heads kernel,
+    `decode_kernel_name`; the torch reference otherwise), "triton" (`mla_decode` anywhere, e.g. under
+    TRITON_INTERPRET=1) or "reference".
     """
     if kernel not in ("auto", "triton", "reference"):
         raise ValueError(f"kernel must be 'auto', 'triton' or 'reference', got {kernel!r}")

@@ -6,7 +6,7 @@ every other module stay its own). What it does depends on the step the runner an
   - `Prefill` (`Prefill.plan(...)`, once per chunk): one chunk of one sequence, hidden [1, n, hidden] at
     positions [start, start + n): `prefill_attention`;
   - `Decode(block_tables, seq_lens, slots, max_seq_len, checked)`: one token per sequence, hidden [B, 1,
-    hidden]: `quantmla.decode_step.decode_step` (the Triton kernel on CUDA, the torch oracle elsewhere).
+    hidden]: `quantmla.decode_step.decode_step` (a decode kernel on CUDA, the torch oracle elsewhere).
 
 Both see the cache exactly as it is served: a query at position t sees key u with each path quantized iff
 t >= stored_from(u) (`quantmla.policy`): channel formats quantize the keys of [sink, t + 1 - recent),

@@ -75,7 +75,7 @@ def _check_names(kwargs: dict) -> None:
 
 @register_model("quantmla")
 class QuantMLALM(HFLM):
-    """HFLM whose forwards and generations run through QuantMLACache(cache_config)."""
+    """HFLM whose loglikelihood forwards and generations attend under serving semantics for cache_config."""
 
     def __init__(self, pretrained=None, method: str = "bf16", content: str | None = None, rope: str | None = None,
                  sink: int | None = None, recent: int | None = None, budget: float | None = None,

@@ -149,7 +149,7 @@ def default_config(cache: PagedMLACache, num_heads: int) -> KernelConfig:
     258-313 KB of shared memory, more than an H100/H200 block has (measured on the H200,
     decode_kernel_formats.md; the same figures from `kernels.offline`, which puts these launches at 92-147 KB
     with one stage). They launch and are right on the H200 (tests/test_mla_decode.py), but slowly: token-axis
-    content 0.13-0.33x the bf16 kernel, a token-axis RoPE path 0.55-0.58x (decode_kernel_token_axis.md)."""
+    content 0.13-0.33x the bf16 kernel, a token-axis RoPE path 0.55-0.59x (decode_kernel_token_axis.md)."""
     content_t, rope_t = cache.content.block > 1, cache.rope.block > 1
     if num_heads <= 16:
         if cache.content.fmt.kind == "fp8":
