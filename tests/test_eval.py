@@ -248,7 +248,22 @@ def test_eval_refuses_lengths_where_nothing_is_quantized(tiny_dir, capsys):
     """At lengths within sink + recent a quantized method would measure as BF16 (KL 0): refused, saying why."""
     assert main(["eval", str(tiny_dir), "--method", "rtn", "--lengths", "96", "--samples", "1",
                  "--tasks", "ppl,kl"]) == 2
-    assert "no key is ever quantized (sink 4 + recent 128" in capsys.readouterr().err
+    assert "no scored token sees a quantized key (sink 4 + recent 128" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, shortest", [(["--method", "rtn", "--recent", "60"], 66),
+                                            (["--method", "kivi", "--recent", "16"], 85)])
+def test_eval_refuses_lengths_where_no_scored_token_sees_a_quantized_key(tiny_dir, capsys, argv, shortest):
+    """The first query that sees a quantized key is at sink + recent + block - 1 (a token-axis block waits in
+    BF16 until it is full), and ppl/kl score queries up to length - 2: kivi's int4:t64 at 4 + 16 + 64 = 84
+    tokens, or rtn at 4 + 60 + 1 = 65, measured KL 0 and BF16's bytes as if lossless."""
+    base = ["eval", str(tiny_dir), *argv, "--samples", "1", "--tasks", "ppl,kl"]
+    assert main(base + ["--lengths", str(shortest - 1)]) == 2
+    assert f"use lengths above {shortest - 1}" in capsys.readouterr().err
+    out = tiny_dir.parent / f"{argv[1]}.json"
+    assert main(base + ["--lengths", str(shortest), "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["bytes_per_token"] < d["bytes_per_token_bf16"]  # it stores quantized keys, which one query sees
 
 
 def test_short_models_get_a_window_that_fits(tmp_path, capsys):
@@ -257,13 +272,13 @@ def test_short_models_get_a_window_that_fits(tmp_path, capsys):
     src = tmp_path / "short"
     tiny_model("deepseek_v3", max_position_embeddings=128).save_pretrained(src)
     assert main(["eval", str(src), "--method", "rtn", "--lengths", "96", "--samples", "1", "--tasks", "ppl"]) == 2
-    assert "use --recent 91 or less (the model's 128 positions" in capsys.readouterr().err
+    assert "use --recent 90 or less (the model's 128 positions" in capsys.readouterr().err
     for cmd in (["calibrate", str(src), "--out", str(tmp_path / "o")], ["analyze", str(src), "--length", "128"]):
         assert main(cmd) == 2
         err = capsys.readouterr().err
         assert "cover all 128 positions" in err and "e.g. --recent 123" in err, err
     assert main(["eval", str(src), "--method", "rtn", "--lengths", "96", "--samples", "1", "--tasks", "ppl",
-                 "--recent", "91"]) == 0
+                 "--recent", "90"]) == 0
 
 
 def test_eval_methods_parts_merge(tiny_dir, tmp_path):

@@ -28,6 +28,7 @@ from quantmla.eval import perplexity, retrieval
 from quantmla.eval.baselines import method_info
 from quantmla.eval.methods import MethodArgs, apply_method, label
 from quantmla.models.adapters import describe
+from quantmla.policy import block_of
 from quantmla.quant.formats import bytes_per_token
 
 TASK_NAMES = ("ppl", "kl", "niah")
@@ -137,6 +138,28 @@ def check_lengths(model, settings: EvalSettings) -> None:
                          f"the model's max_position_embeddings {max_pos}")
 
 
+def check_something_quantized(model, config: CacheConfig, longest: int, method: str) -> None:
+    """Raise where no scored query of `longest`-token windows would see a quantized key, so that `method`
+    would measure as BF16 (KL 0). The first query that sees one is at sink + recent + block - 1 (`policy`:
+    a token-axis format quantizes whole blocks); the last scored one, ppl/kl's, at longest - 2 (position
+    longest - 1 predicts no token of the window)."""
+    blocks = [block_of(f) for pair in config.per_layer for f in pair if f.kind != "bf16"]
+    if not blocks:
+        return
+    bf16 = config.sink + config.recent + min(blocks)  # windows this long or shorter score no quantized key
+    if longest > bf16:
+        return
+    max_pos = getattr(model.config, "max_position_embeddings", None)
+    recent = longest - config.sink - min(blocks) - 1
+    fix = (f"use lengths above {bf16}, or a smaller --recent" if not max_pos or bf16 + 1 + LENGTH_SLACK <= max_pos
+           else f"use --recent {recent} or less (the model's {max_pos} positions allow no lengths that long)"
+           if recent >= 0 else f"use a token block smaller than {min(blocks)} (the model's {max_pos} positions "
+                                "allow no lengths that long)")
+    block = f" + a block of {min(blocks)} tokens waiting to fill" if min(blocks) > 1 else ""
+    raise ValueError(f"at {longest} tokens no scored token sees a quantized key (sink {config.sink} + recent "
+                     f"{config.recent}{block} stay BF16), so {method} would measure as BF16: {fix}")
+
+
 def heldout_windows(tokenizer, vocab_size: int, length: int, count: int, path=None) -> torch.Tensor:
     """Up to `count` non-overlapping windows [N, length] of the held-out text (shipped heldout.txt)."""
     ids = encode(read_text(path, "heldout.txt"), tokenizer, vocab_size, length * count)
@@ -153,14 +176,7 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
     layer = describe(model)[0]
     dc, dr = layer.kv_lora_rank, layer.rope_dim
     longest = max(settings.lengths)
-    if longest <= config.sink + config.recent and any(f.kind != "bf16" for pair in config.per_layer for f in pair):
-        max_pos = getattr(model.config, "max_position_embeddings", None)
-        fix = (f"use lengths above {config.sink + config.recent}, or a smaller --recent"
-               if not max_pos or config.sink + config.recent + 1 + LENGTH_SLACK <= max_pos
-               else f"use --recent {max(longest - config.sink - 1, 0)} or less (the model's {max_pos} positions "
-                    "allow no lengths that long)")
-        raise ValueError(f"at {longest} tokens no key is ever quantized (sink {config.sink} + recent {config.recent} "
-                         f"stay BF16), so {label(method, args)} would measure as BF16: {fix}")
+    check_something_quantized(model, config, longest, label(method, args))
     result = EvalResult(
         method=label(method, args), content=_formats(config, 0), rope=_formats(config, 1), sink=config.sink,
         recent=config.recent,
