@@ -266,6 +266,20 @@ def test_eval_refuses_lengths_where_no_scored_token_sees_a_quantized_key(tiny_di
     assert d["bytes_per_token"] < d["bytes_per_token_bf16"]  # it stores quantized keys, which one query sees
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--lengths", "96,4096"], "exceeds the model's max_position_embeddings 512"),
+    (["--lengths", "96"], "no scored token sees a quantized key (sink 4 + recent 128"),
+])
+def test_eval_checks_quantmla_lengths_before_calibrating(tiny_dir, capsys, monkeypatch, argv, message):
+    """quantmla calibrates an uncalibrated checkpoint first (minutes on a real model): lengths past the model's
+    positions, or within its BF16 window, were refused only after that."""
+    import quantmla.calibrate.driver
+
+    monkeypatch.setattr(quantmla.calibrate.driver, "calibrate_model", lambda *a, **k: pytest.fail("calibrated"))
+    assert main(["eval", str(tiny_dir), "--method", "quantmla", *argv, "--samples", "1", "--tasks", "ppl"]) == 2
+    assert message in capsys.readouterr().err
+
+
 def test_short_models_get_a_window_that_fits(tmp_path, capsys):
     """On a model of 128 positions, sink 4 + recent 128 BF16 tokens leave nothing quantized and no longer window
     can help: eval, calibrate and analyze name a --recent that fits instead of lengths above 132."""

@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from quantmla.cache.quant_cache import QuantMLACache
+from quantmla.calibrate.export import SECTION
 from quantmla.config import CacheConfig
 from quantmla.data import encode, read_text, token_windows
 from quantmla.eval import perplexity, retrieval
-from quantmla.eval.baselines import method_info
+from quantmla.eval.baselines import BUDGETED, RECENT, SINK, method_info
 from quantmla.eval.methods import MethodArgs, apply_method, label
 from quantmla.models.adapters import describe
 from quantmla.policy import block_of
@@ -171,11 +172,18 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
     """Run `settings.tasks` for one method on `model` (eval mode; methods that fold transforms work on a
     copy). The KL's reference is a plain forward of `reference_model`, default `model`."""
     t0 = time.perf_counter()
+    longest = max(settings.lengths)
+    if method in BUDGETED and getattr(model.config, SECTION, None) is None:
+        # quantmla calibrates an uncalibrated model first, for minutes: check the lengths before. Its formats
+        # exist only after the calibration, its window before: check that with the least block.
+        check_lengths(model, settings)
+        window = CacheConfig("int4", "int4", SINK if args.sink is None else args.sink,
+                             RECENT if args.recent is None else args.recent)
+        check_something_quantized(model, window, longest, label(method, args))
     test_model, config = apply_method(method, model, args)
     check_lengths(model, settings)
     layer = describe(model)[0]
     dc, dr = layer.kv_lora_rank, layer.rope_dim
-    longest = max(settings.lengths)
     check_something_quantized(model, config, longest, label(method, args))
     result = EvalResult(
         method=label(method, args), content=_formats(config, 0), rope=_formats(config, 1), sink=config.sink,
