@@ -207,3 +207,21 @@ def test_bad_model_args_fail_before_the_model_loads_and_say_why(model_args, erro
 
     with pytest.raises(error, match=says):
         QuantMLALM(**model_args)
+
+
+def test_checkpoints_lm_eval_cannot_run_are_refused_by_name_before_loading(tmp_path):
+    """A checkpoint without a tokenizer failed inside lm-eval with a multi-line error about sentencepiece and
+    slow tokenizers; a non-MLA one was loaded whole before quantmla refused it."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quantmla.eval.lm_eval_bridge import QuantMLALM
+
+    bare = tmp_path / "bare"
+    tiny_model("deepseek_v3").save_pretrained(bare)
+    with pytest.raises(ValueError, match="has no tokenizer .* model_args tokenizer=PATH"):
+        QuantMLALM(pretrained=str(bare))
+    llama = tmp_path / "llama"
+    LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                intermediate_size=64).save_pretrained(llama)  # a config alone: nothing is loaded
+    with pytest.raises(ValueError, match="model_type 'llama' .* is not a supported MLA family"):
+        QuantMLALM(pretrained=str(llama))

@@ -44,10 +44,10 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from quantmla.cache.quant_cache import QuantMLACache, left_pads
-from quantmla.data import default_model_dir
+from quantmla.data import default_model_dir, tokenizer_for
 from quantmla.eval.methods import MethodArgs, apply_method, check_method
 from quantmla.eval.serving import served_prefill, serving
-from quantmla.models.adapters import cache_kwargs, check_checkpoint_dir
+from quantmla.models.adapters import cache_kwargs, check_checkpoint_dir, load_config
 
 OPTIONS = ("pretrained", "method", "content", "rope", "sink", "recent", "budget")
 
@@ -73,6 +73,15 @@ def _check_names(kwargs: dict) -> None:
                              f"{', '.join(OPTIONS)}")
 
 
+def _check_checkpoint(path: str, tokenizer) -> None:
+    """What lm-eval would fail on only later, or say unclearly: a model of another family (refused after it
+    loaded), or a directory without a tokenizer (a multi-line error about sentencepiece and slow tokenizers)."""
+    load_config(path)  # raises naming the model_type of a non-MLA checkpoint
+    if tokenizer is None and tokenizer_for(path) is None:
+        raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json), which lm-eval needs: "
+                         "save the model's tokenizer there, or name one with model_args tokenizer=PATH")
+
+
 @register_model("quantmla")
 class QuantMLALM(HFLM):
     """HFLM whose loglikelihood forwards and generations attend under serving semantics for cache_config."""
@@ -85,6 +94,7 @@ class QuantMLALM(HFLM):
             pretrained = str(default_model_dir())
         if isinstance(pretrained, str):
             check_checkpoint_dir(pretrained)  # a local directory: no machine here reaches a model hub
+            _check_checkpoint(pretrained, kwargs.get("tokenizer"))
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
         # lm-eval parses model_args values itself: "int4" stays a string, "4" becomes an int.
         args = MethodArgs(None if content is None else str(content), None if rope is None else str(rope),
