@@ -131,7 +131,10 @@ def test_info_shows_a_calibrated_checkpoints_own_formats(tiny_dir, tmp_path):
     assert [(r["content"], r["rope"]) for r in data["layers"]] == [("int2:32", "int4:8"), ("int8:32", "bf16")]
     assert data["bytes_per_token"] == (8 + 4) + (4 + 4) + (32 + 4) + 16
     assert main(["info", str(ckpt), "--content", "int4", "--json", str(out)]) == 0  # asked for: as asked
-    assert {r["content"] for r in json.loads(out.read_text())["layers"]} == {"int4:32"}
+    layers = json.loads(out.read_text())["layers"]
+    assert {r["content"] for r in layers} == {"int4:32"}
+    # the path not asked for keeps the checkpoint's own formats, as --rope's help says (it fell back to int4)
+    assert [r["rope"] for r in layers] == ["int4:8", "bf16"]
 
 
 def test_info_per_layer_formats_are_readable_at_80_columns(tiny_dir, tmp_path, monkeypatch):

@@ -60,9 +60,13 @@ def cmd_info(args) -> None:
     args.json = _check_out_file(args.json, "--json")
     model_dir = resolve_model_dir(args.model)
     layers = describe(model_dir)
-    # A calibrated checkpoint's own formats (per layer) unless formats are asked for.
-    section = cache_config_of(model_dir) if args.content is None and args.rope is None else None
-    cfg = section or CacheConfig(args.content or "int4", args.rope or "int4")
+    # A calibrated checkpoint's own formats (per layer) for each path not asked for; int4 without one.
+    section = cache_config_of(model_dir)
+    if section:
+        cfg = CacheConfig(args.content or section.content, args.rope or section.rope,
+                          layers=tuple((args.content or c, args.rope or r) for c, r in section.layers))
+    else:
+        cfg = CacheConfig(args.content or "int4", args.rope or "int4")
     cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
     console.print(layers_table(model_dir.name, layers))
     rows = []
@@ -75,8 +79,14 @@ def cmd_info(args) -> None:
                      "content": str(mine.content), "rope": str(mine.rope), "bytes_quantized": quant})
     bf16 = sum(r["bytes_bf16"] for r in rows)
     quant = sum(r["bytes_quantized"] for r in rows)
-    asked = f"--content {cfg.content} --rope {cfg.rope}" + ("" if args.content or args.rope else ", the defaults")
-    console.print(bytes_table(rows, "the checkpoint's own (its quantmla section)" if section else asked))
+    asked = " ".join(f"--{path} {getattr(cfg, path)}" for path in ("content", "rope") if getattr(args, path))
+    if section:
+        own = "the checkpoint's own (its quantmla section)"
+        kept = [path for path in ("content", "rope") if not getattr(args, path)]
+        source = own if not asked else f"{asked}; {kept[0]}: {own}" if kept else asked
+    else:
+        source = f"--content {cfg.content} --rope {cfg.rope}" + ("" if asked else ", the defaults")
+    console.print(bytes_table(rows, source))
     _write_json(args.json, {"model": str(model_dir), "content": str(cfg.content), "rope": str(cfg.rope),
                             "layers": rows, "bytes_per_token_bf16": bf16, "bytes_per_token": quant})
 
