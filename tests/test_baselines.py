@@ -410,6 +410,19 @@ def test_budget_needs_an_uncalibrated_model_and_a_budgeted_method():
         apply_method("rtn", model, MethodArgs(budget=0.3))
 
 
+def test_a_budget_checkpoint_refuses_formats():
+    """A budget checkpoint's section names base formats that chose nothing (its layers hold what the budget
+    chose): --rope int4 matched that base and ran the checkpoint's int2 RoPE, labelled as asked."""
+    model = tiny_model("deepseek_v3")
+    model.config.quantmla = {"method": "quantmla", **CacheConfig("int4:32", "int4:16", 4, 64,
+                                                                 layers=(("int4", "int2"),) * 3).to_dict(),
+                             "calibration": {"budget": {"fraction": 0.3, "context": 131072}}}
+    for args in (MethodArgs(rope="int4"), MethodArgs(content="int4:32")):
+        with pytest.raises(ValueError, match=r"chosen per layer for a byte budget \(0.3 of BF16's\)"):
+            quantmla(model, args)
+    assert [str(r) for _, r in quantmla(model, MethodArgs())[1].per_layer] == ["int2"] * 3
+
+
 def test_registered_as_eval_methods():
     from quantmla.eval.methods import METHODS, apply_method
 

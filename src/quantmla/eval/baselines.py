@@ -220,6 +220,11 @@ def quantmla(model: nn.Module, args, calibration: Calibration = Calibration()) -
         raise ValueError(f"this checkpoint is already calibrated (its config.json has a '{SECTION}' section, "
                          f"formats {section.get('content')}/{section.get('rope')}); a byte budget needs the "
                          "original checkpoint")
+    budget = (section or {}).get("calibration", {}).get("budget")
+    if budget and (args.content is not None or args.rope is not None):  # its section's base formats chose nothing
+        raise ValueError(f"this checkpoint's formats were chosen per layer for a byte budget "
+                         f"({budget.get('fraction')} of BF16's); --content/--rope need a calibration of the "
+                         "original checkpoint")
     if section:
         config, layer = CacheConfig.from_dict(section), describe(model)[0]
         dims = {"content": layer.kv_lora_rank, "rope": layer.rope_dim}
