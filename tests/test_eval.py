@@ -244,6 +244,16 @@ def test_cli_missing_model(tmp_path, capsys):
     assert "model directory not found" in capsys.readouterr().err
 
 
+def test_ppl_kl_windows_may_fill_the_models_positions(tiny_dir, capsys):
+    """Only the needles need slack for BOS and answer: ppl/kl alone at the model's 512 positions ran nothing."""
+    base = ["eval", str(tiny_dir), "--method", "rtn", "--samples", "1", "--scored", "8"]
+    assert main(base + ["--lengths", "512", "--tasks", "ppl,kl"]) == 0
+    assert main(base + ["--lengths", "513", "--tasks", "ppl,kl"]) == 2
+    assert "length 513 exceeds the model's max_position_embeddings 512" in capsys.readouterr().err
+    assert main(base + ["--lengths", "512", "--tasks", "niah"]) == 2
+    assert "length 512 (+ up to 32 tokens of BOS and answer) exceeds" in capsys.readouterr().err
+
+
 def test_eval_refuses_lengths_where_nothing_is_quantized(tiny_dir, capsys):
     """At lengths within sink + recent a quantized method would measure as BF16 (KL 0): refused, saying why."""
     assert main(["eval", str(tiny_dir), "--method", "rtn", "--lengths", "96", "--samples", "1",
