@@ -225,3 +225,19 @@ def test_checkpoints_lm_eval_cannot_run_are_refused_by_name_before_loading(tmp_p
                 intermediate_size=64).save_pretrained(llama)  # a config alone: nothing is loaded
     with pytest.raises(ValueError, match="model_type 'llama' .* is not a supported MLA family"):
         QuantMLALM(pretrained=str(llama))
+
+
+def test_kimi_k2_checkpoints_run_with_their_familys_classes(tiny_dir, tmp_path):
+    """A kimi_k2 checkpoint (DeepSeek-V3's architecture under its own model_type, with an auto_map to its own
+    code) failed in lm-eval's loader, which refuses to run a checkpoint's code; quantmla reads it as DeepSeek-V3."""
+    import json
+    import shutil
+
+    kimi = tmp_path / "kimi"
+    shutil.copytree(tiny_dir, kimi)
+    config = json.loads((kimi / "config.json").read_text())
+    config.update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (kimi / "config.json").write_text(json.dumps(config))
+    args = dict(method="rtn", content="int2", recent=8, device="cpu", dtype="float32")
+    assert loglikelihoods(QuantMLALM(pretrained=str(kimi), **args)) == pytest.approx(
+        loglikelihoods(QuantMLALM(pretrained=str(tiny_dir), **args)), abs=1e-5)

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+from pathlib import Path
 
 import torch
 from lm_eval.api.registry import register_model
@@ -47,7 +48,7 @@ from quantmla.cache.quant_cache import QuantMLACache, left_pads
 from quantmla.data import default_model_dir, tokenizer_for
 from quantmla.eval.methods import MethodArgs, apply_method, check_method
 from quantmla.eval.serving import served_prefill, serving
-from quantmla.models.adapters import cache_kwargs, check_checkpoint_dir, load_config
+from quantmla.models.adapters import ALIASES, cache_kwargs, check_checkpoint_dir, load_config, read_config_json
 
 OPTIONS = ("pretrained", "method", "content", "rope", "sink", "recent", "budget")
 
@@ -82,6 +83,12 @@ def _check_checkpoint(path: str, tokenizer) -> None:
                          "save the model's tokenizer there, or name one with model_args tokenizer=PATH")
 
 
+def _aliased(pretrained) -> bool:
+    """Whether `pretrained` is a checkpoint directory of an `ALIASES` model_type."""
+    return (isinstance(pretrained, str) and (Path(pretrained) / "config.json").is_file()
+            and read_config_json(pretrained).get("model_type") in ALIASES)
+
+
 @register_model("quantmla")
 class QuantMLALM(HFLM):
     """HFLM whose loglikelihood forwards and generations attend under serving semantics for cache_config."""
@@ -105,6 +112,23 @@ class QuantMLALM(HFLM):
         super().__init__(pretrained=pretrained, **kwargs)
         self._model, self.cache_config = apply_method(method, self._model, args)
         self.method = method
+
+    # A checkpoint of an aliased model_type (Kimi K2's kimi_k2, `adapters.ALIASES`) names code of its own, which
+    # lm-eval's loaders refuse to run (trust_remote_code): read it with its family's classes, as quantmla does.
+    def _get_config(self, pretrained, **kwargs) -> None:
+        if not _aliased(pretrained):
+            return super()._get_config(pretrained, **kwargs)
+        self._config = load_config(pretrained)
+
+    def _create_tokenizer(self, pretrained, tokenizer, **kwargs) -> None:
+        if tokenizer is None and _aliased(pretrained):
+            tokenizer = tokenizer_for(pretrained)
+        super()._create_tokenizer(pretrained, tokenizer, **kwargs)
+
+    def _create_model(self, pretrained, **kwargs) -> None:
+        if _aliased(pretrained):
+            kwargs["config"] = self._config
+        super()._create_model(pretrained, **kwargs)
 
     def _cache_kwargs(self, left_padding=None) -> dict:
         return cache_kwargs(self.model, QuantMLACache(self.cache_config, left_padding=left_padding))
