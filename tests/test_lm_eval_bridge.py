@@ -212,7 +212,7 @@ def test_bad_model_args_fail_before_the_model_loads_and_say_why(model_args, erro
 def test_checkpoints_lm_eval_cannot_run_are_refused_by_name_before_loading(tmp_path):
     """A checkpoint without a tokenizer failed inside lm-eval with a multi-line error about sentencepiece and
     slow tokenizers; a non-MLA one was loaded whole before quantmla refused it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig
 
     from quantmla.eval.lm_eval_bridge import QuantMLALM
 
