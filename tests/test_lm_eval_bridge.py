@@ -241,3 +241,20 @@ def test_kimi_k2_checkpoints_run_with_their_familys_classes(tiny_dir, tmp_path):
     args = dict(method="rtn", content="int2", recent=8, device="cpu", dtype="float32")
     assert loglikelihoods(QuantMLALM(pretrained=str(kimi), **args)) == pytest.approx(
         loglikelihoods(QuantMLALM(pretrained=str(tiny_dir), **args)), abs=1e-5)
+
+
+def test_a_calibrated_checkpoint_runs_with_its_own_formats_by_default(tiny):
+    """As `quantmla eval`: without a method, a calibrated checkpoint is evaluated as it serves (quantmla, its own
+    formats), an uncalibrated one as BF16. The bridge always took bf16, so a calibrated checkpoint measured
+    unquantized unless the user knew to add method=quantmla."""
+    import copy
+
+    from quantmla.calibrate.export import mark_calibrated
+    from quantmla.config import CacheConfig
+
+    model, tok = tiny
+    calibrated = copy.deepcopy(model)
+    mark_calibrated(calibrated.config, CacheConfig("int2", "int4", 4, 16), {})
+    lm = QuantMLALM(pretrained=calibrated, tokenizer=tok)
+    assert lm.method == "quantmla" and str(lm.cache_config.content).startswith("int2")
+    assert QuantMLALM(pretrained=model, tokenizer=tok).method == "bf16"

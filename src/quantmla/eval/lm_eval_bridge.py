@@ -22,7 +22,8 @@ From Python:
 
 model_args (besides HFLM's own: device, dtype, batch_size, max_length, ...):
   pretrained   local checkpoint directory; default: quantmla's shipped default model
-  method       a name from quantmla.eval.methods.METHODS (bf16, fp8, fp8-content, rtn, rtn-content, ...)
+  method       a name from quantmla.eval.methods.METHODS (bf16, fp8, fp8-content, rtn, rtn-content, ...);
+               default, as `quantmla eval`'s: quantmla for a calibrated checkpoint (its own formats), else bf16
   content, rope, sink, recent   the method's options, as `quantmla eval` spells them
   budget       quantmla only: the cache as a fraction of BF16's at 128 K tokens, formats chosen per layer
 
@@ -45,6 +46,7 @@ from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
 
 from quantmla.cache.quant_cache import QuantMLACache, left_pads
+from quantmla.calibrate.export import SECTION, quantmla_section
 from quantmla.data import default_model_dir, tokenizer_for
 from quantmla.eval.methods import MethodArgs, apply_method, check_method
 from quantmla.eval.serving import served_prefill, serving
@@ -89,11 +91,18 @@ def _aliased(pretrained) -> bool:
             and read_config_json(pretrained).get("model_type") in ALIASES)
 
 
+def _calibrated(pretrained) -> bool:
+    """Whether `pretrained` (a checkpoint directory or a loaded model) carries a quantmla section."""
+    if isinstance(pretrained, str):
+        return quantmla_section(pretrained) is not None
+    return getattr(getattr(pretrained, "config", None), SECTION, None) is not None
+
+
 @register_model("quantmla")
 class QuantMLALM(HFLM):
     """HFLM whose loglikelihood forwards and generations attend under serving semantics for cache_config."""
 
-    def __init__(self, pretrained=None, method: str = "bf16", content: str | None = None, rope: str | None = None,
+    def __init__(self, pretrained=None, method: str | None = None, content: str | None = None, rope: str | None = None,
                  sink: int | None = None, recent: int | None = None, budget: float | None = None,
                  **kwargs):
         _check_names(kwargs)
@@ -103,6 +112,8 @@ class QuantMLALM(HFLM):
             check_checkpoint_dir(pretrained)  # a local directory: no machine here reaches a model hub
             _check_checkpoint(pretrained, kwargs.get("tokenizer"))
             kwargs.setdefault("device", "cuda" if torch.cuda.is_available() else "cpu")
+        if method is None:
+            method = "quantmla" if _calibrated(pretrained) else "bf16"
         # lm-eval parses model_args values itself: "int4" stays a string, "4" becomes an int.
         args = MethodArgs(None if content is None else str(content), None if rope is None else str(rope),
                           None if sink is None else _whole("sink", sink),
