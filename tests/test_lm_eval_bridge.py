@@ -258,3 +258,15 @@ def test_a_calibrated_checkpoint_runs_with_its_own_formats_by_default(tiny):
     lm = QuantMLALM(pretrained=calibrated, tokenizer=tok)
     assert lm.method == "quantmla" and str(lm.cache_config.content).startswith("int2")
     assert QuantMLALM(pretrained=model, tokenizer=tok).method == "bf16"
+
+
+def test_a_tokenizer_not_the_weights_own_is_named():
+    """model_args tokenizer=... of a larger vocabulary than the weights': an IndexError traceback from the
+    embedding ('index out of range in self') instead of an error naming the tokenizer."""
+    small = tiny_model("deepseek_v3", vocab_size=128)  # the byte tokenizer's ids go up to 259
+    lm = QuantMLALM(pretrained=small, tokenizer=byte_tokenizer(), method="bf16")
+    with pytest.raises(ValueError, match="token id .* vocabulary has 128 tokens: the tokenizer does not belong"):
+        loglikelihoods(lm)
+    with pytest.raises(ValueError, match="the tokenizer does not belong"):
+        lm.generate_until([Instance("generate_until", {}, ("\u00e9t\u00e9", {"until": ["\n"], "max_gen_toks": 2}), 0)],
+                          disable_tqdm=True)

@@ -47,7 +47,7 @@ from lm_eval.models.huggingface import HFLM
 
 from quantmla.cache.quant_cache import QuantMLACache, left_pads
 from quantmla.calibrate.export import SECTION, quantmla_section
-from quantmla.data import default_model_dir, tokenizer_for
+from quantmla.data import check_token_ids, default_model_dir, tokenizer_for
 from quantmla.eval.methods import MethodArgs, apply_method, check_method
 from quantmla.eval.serving import served_prefill, serving
 from quantmla.models.adapters import ALIASES, cache_kwargs, check_checkpoint_dir, load_config, read_config_json
@@ -140,6 +140,16 @@ class QuantMLALM(HFLM):
         if _aliased(pretrained):
             kwargs["config"] = self._config
         super()._create_model(pretrained, **kwargs)
+
+    # A tokenizer that is not the weights' own (model_args tokenizer=...) gives ids past the vocabulary, which
+    # the forward fails on as 'index out of range in self': say so where the ids are made.
+    def tok_encode(self, string: str, *args, **kwargs) -> list[int]:
+        return check_token_ids(super().tok_encode(string, *args, **kwargs), self.model.config.vocab_size)
+
+    def tok_batch_encode(self, strings: list[str], *args, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = super().tok_batch_encode(strings, *args, **kwargs)
+        check_token_ids(ids.flatten(), self.model.config.vocab_size)  # the pad id goes through the embedding too
+        return ids, mask
 
     def _cache_kwargs(self, left_padding=None) -> dict:
         return cache_kwargs(self.model, QuantMLACache(self.cache_config, left_padding=left_padding))
