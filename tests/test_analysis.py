@@ -276,6 +276,9 @@ def test_commands_reject_bad_input(tiny_dir, tmp_path, capsys):
     assert main(["analyze", str(tiny_dir), "--length", "600"]) == 2  # the tiny model has 512 positions
     assert "exceeds the model's max_position_embeddings 512" in capsys.readouterr().err
     assert main(["analyze", str(tiny_dir), "--nmse", "2"]) == 2
+    with pytest.raises(SystemExit):  # by argparse, before the model loads
+        main(["analyze", str(tiny_dir), "--sink", "-1"])
+    assert "argument --sink: must be >= 0, got -1" in capsys.readouterr().err
     # one token predicts no next one: the end-to-end KL and perplexity came out nan
     assert main(["analyze", str(tiny_dir), "--length", "1", "--sink", "0", "--recent", "0"]) == 2
     assert "--length 1: the end-to-end KL and perplexity score next-token predictions" in capsys.readouterr().err

@@ -149,15 +149,21 @@ def layers_table(name: str, layers) -> Table:
     return table
 
 
-def _positive(text: str) -> int:
-    """argparse type: a whole number >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
+def _at_least(low: int):
+    """argparse type: a whole number >= low."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+        return value
+    return parse
+
+
+_positive = _at_least(1)
+_tokens = _at_least(0)  # --sink / --recent: refused by argparse, before any model loads
 
 
 def _check_out_dir(out: str, model_dir: Path, overwrite: bool) -> Path:
@@ -651,8 +657,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--length", type=_positive, default=512, help="tokens per sequence (default 512)")
     s.add_argument("--samples", type=_positive, default=4, help="number of sequences (default 4)")
     # the policy that says where noise goes; its error for too short sequences suggests a smaller window
-    s.add_argument("--sink", type=int, default=4, help="first tokens kept noise-free, as BF16 (default 4)")
-    s.add_argument("--recent", type=int, default=128, help="most recent tokens kept noise-free (default 128)")
+    s.add_argument("--sink", type=_tokens, default=4, help="first tokens kept noise-free, as BF16 (default 4)")
+    s.add_argument("--recent", type=_tokens, default=128, help="most recent tokens kept noise-free (default 128)")
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--json", help="write the results as JSON here")
     s.add_argument("--plot", help="write a per-layer plot (PNG) here")
@@ -673,8 +679,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--content", default="int4", help="content format (default int4)")
     s.add_argument("--rope", default="int4", help="RoPE format (default int4)")
     s.add_argument("--group", type=_positive, help="channels per scale group for integer formats without their own")
-    s.add_argument("--sink", type=int, default=4, help="first tokens kept in BF16 (default 4)")
-    s.add_argument("--recent", type=int, default=128, help="most recent tokens kept in BF16 (default 128)")
+    s.add_argument("--sink", type=_tokens, default=4, help="first tokens kept in BF16 (default 4)")
+    s.add_argument("--recent", type=_tokens, default=128, help="most recent tokens kept in BF16 (default 128)")
     s.add_argument("--data", help="calibration text file (default: the built-in calibration sample)")
     s.add_argument("--samples", type=_positive, default=8,
                    help="calibration sequences, >= 3: fit/select/report (default 8)")
@@ -736,10 +742,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "turboquant take only their own kinds, bf16/fp8/fp8-content none")
     s.add_argument("--rope", help="RoPE format, same spelling (default int4; rtn-content and turboquant keep RoPE in "
                                   "BF16)")
-    s.add_argument("--sink", type=int, help="first tokens kept in BF16 (default: 0 for bf16, fp8 and fp8-content; a "
-                                            "calibrated checkpoint's own; else 4)")
-    s.add_argument("--recent", type=int, help="most recent tokens kept in BF16 (default: 0 for bf16, fp8 and "
-                                              "fp8-content; a calibrated checkpoint's own; else 128)")
+    s.add_argument("--sink", type=_tokens, help="first tokens kept in BF16 (default: 0 for bf16, fp8 and "
+                                                "fp8-content; a calibrated checkpoint's own; else 4)")
+    s.add_argument("--recent", type=_tokens, help="most recent tokens kept in BF16 (default: 0 for bf16, fp8 and "
+                                                  "fp8-content; a calibrated checkpoint's own; else 128)")
     s.add_argument("--tasks", default="ppl,kl,niah", help="comma-separated subset of ppl,kl,niah (default all)")
     s.add_argument("--lengths", default="512,1024,2048",
                    help="needle lengths (bytes of prompt + answer: tokens of the byte-level default model); "
@@ -794,8 +800,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      "int8/int4/int2:tTOKENS, e.g. int4:t64 (TOKENS dividing the 64-token page) "
                                      "(default: a calibrated checkpoint's own, else int4)")
     s.add_argument("--rope", help="RoPE format, same spelling (default: a calibrated checkpoint's own, else int4)")
-    s.add_argument("--sink", type=int, help="first tokens kept in BF16 (default: the checkpoint's, else 4)")
-    s.add_argument("--recent", type=int, help="most recent tokens kept in BF16 (default: the checkpoint's, else 128)")
+    s.add_argument("--sink", type=_tokens, help="first tokens kept in BF16 (default: the checkpoint's, else 4)")
+    s.add_argument("--recent", type=_tokens,
+                   help="most recent tokens kept in BF16 (default: the checkpoint's, else 128)")
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=port_number, default=8000, help="port (default 8000)")
     s.add_argument("--device", help="torch device, e.g. cuda or cpu (default: cuda if available, else cpu)")

@@ -80,7 +80,8 @@ class QuantFormat:
         if self.kind == "bf16" and self.group != 0:
             object.__setattr__(self, "group", 0)
         if self.family in ("int", "fp4") and self.group == 0:
-            raise ValueError(f"{self.kind} needs a group size > 0 (channels per scale)")
+            per = "tokens per scale block" if self.axis == "token" else "channels per scale"
+            raise ValueError(f"{self.kind} needs a group size > 0 ({per})")
         if self.axis not in ("channel", "token"):
             raise ValueError(f"axis must be 'channel' or 'token', got {self.axis!r}")
         if self.axis == "token" and not self.is_integer:

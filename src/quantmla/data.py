@@ -132,6 +132,7 @@ def check_token_ids(ids, vocab_size: int):
 def token_windows(ids: torch.Tensor, length: int, count: int) -> torch.Tensor:
     """`count` consecutive, non-overlapping windows of `length` tokens: [count, length]."""
     if ids.numel() < length:
-        raise ValueError(f"text too short: {ids.numel()} tokens, need at least {length}")
+        raise ValueError(f"text too short: {ids.numel()} tokens, fewer than one window of {length}; give a longer "
+                         "text file (--data) or shorter windows")
     count = min(count, ids.numel() // length)
     return ids[: count * length].view(count, length)

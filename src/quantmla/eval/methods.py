@@ -65,8 +65,9 @@ def _fixed_formats(name: str, args: MethodArgs, content: str, rope: str) -> None
     """Methods defined by their formats refuse other formats rather than silently ignoring them."""
     for path, given, fixed in (("content", args.content, content), ("rope", args.rope, rope)):
         if given is not None and QuantFormat.parse(given) != QuantFormat.parse(fixed):
+            other = "'rtn'" if name == "rtn-content" else "'rtn' or 'rtn-content'"
             raise ValueError(f"method {name!r} stores {path} as {fixed}; --{path} {given} is not allowed "
-                             f"(use method 'rtn' or 'rtn-content' to choose formats)")
+                             f"(use method {other} to choose formats)")
 
 
 def _fixed(name: str, content: str, rope: str) -> Callable:

@@ -140,7 +140,7 @@ def check_lengths(model, settings: EvalSettings) -> None:
     if max_pos and max(settings.lengths) + slack > max_pos:
         needles = f" (+ up to {slack} tokens of BOS and answer)" if slack else ""
         raise ValueError(f"length {max(settings.lengths)}{needles} exceeds the model's max_position_embeddings "
-                         f"{max_pos}")
+                         f"{max_pos}: use --lengths up to {max_pos - slack}")
 
 
 def check_something_quantized(model, config: CacheConfig, longest: int, method: str) -> None:
