@@ -272,7 +272,7 @@ def test_commands_reject_bad_input(tiny_dir, tmp_path, capsys):
     assert main(["analyze", str(tiny_dir), "--data", str(tmp_path / "none.txt")]) == 2
     assert "text file not found" in capsys.readouterr().err
     assert main(["analyze", str(tiny_dir), "--length", "100"]) == 2
-    assert "too short for sink 4 + recent 128" in capsys.readouterr().err
+    assert "with sink 4 + recent 128 BF16 tokens none sees a noised key; use --length 134" in capsys.readouterr().err
     assert main(["analyze", str(tiny_dir), "--length", "600"]) == 2  # the tiny model has 512 positions
     assert "exceeds the model's max_position_embeddings 512" in capsys.readouterr().err
     assert main(["analyze", str(tiny_dir), "--nmse", "2"]) == 2
@@ -282,6 +282,9 @@ def test_commands_reject_bad_input(tiny_dir, tmp_path, capsys):
     # one token predicts no next one: the end-to-end KL and perplexity came out nan
     assert main(["analyze", str(tiny_dir), "--length", "1", "--sink", "0", "--recent", "0"]) == 2
     assert "--length 1: the end-to-end KL and perplexity score next-token predictions" in capsys.readouterr().err
+    # one token past the window: only the last query sees a noised key, and it predicts no token (KL was 0)
+    assert main(["analyze", str(tiny_dir), "--length", "133"]) == 2
+    assert "use --length 134 or more" in capsys.readouterr().err
     llama = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2))
     llama.save_pretrained(tmp_path / "llama")

@@ -223,9 +223,10 @@ def cmd_analyze(args) -> None:
     model_dir = resolve_model_dir(args.model)
     if not 0 < args.nmse < 1:
         raise ValueError(f"--nmse must be in (0, 1), got {args.nmse}")
-    if args.length < 2:  # one token predicts no next one: the end-to-end table was all nan
-        raise ValueError(f"--length {args.length}: the end-to-end KL and perplexity score next-token predictions; "
-                         "use --length 2 or more")
+    if args.length < args.sink + args.recent + 2:  # the per-layer part needs one token less
+        raise ValueError(f"--length {args.length}: the end-to-end KL and perplexity score next-token predictions, "
+                         f"and with sink {args.sink} + recent {args.recent} BF16 tokens none sees a noised key; use "
+                         f"--length {args.sink + args.recent + 2} or more, or a smaller --recent")
     console.print(f"model: {model_dir}")
     model = load_model(model_dir)
     _check_length(model, args.length, args.sink, args.recent)
