@@ -223,13 +223,13 @@ def cmd_analyze(args) -> None:
     model_dir = resolve_model_dir(args.model)
     if not 0 < args.nmse < 1:
         raise ValueError(f"--nmse must be in (0, 1), got {args.nmse}")
+    console.print(f"model: {model_dir}")
+    model = load_model(model_dir)
+    _check_length(model, args.length, args.sink, args.recent)  # first: a window past the model's positions
     if args.length < args.sink + args.recent + 2:  # the per-layer part needs one token less
         raise ValueError(f"--length {args.length}: the end-to-end KL and perplexity score next-token predictions, "
                          f"and with sink {args.sink} + recent {args.recent} BF16 tokens none sees a noised key; use "
                          f"--length {args.sink + args.recent + 2} or more, or a smaller --recent")
-    console.print(f"model: {model_dir}")
-    model = load_model(model_dir)
-    _check_length(model, args.length, args.sink, args.recent)
     layers = describe(model)
     ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size, args.length * args.samples)
     batch = token_windows(ids, args.length, args.samples)
