@@ -770,8 +770,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_eval)
     s = sub.add_parser("lm-eval", help="lm-evaluation-harness with a quantized cache (model 'quantmla')",
                        description="lm-eval's own command line, with the model 'quantmla' registered: lm-eval's "
-                                   "Hugging Face model whose every token attends as on a server (the sink and the last "
-                                   "recent tokens in BF16, older ones as the cache stores them). Example: quantmla lm-eval run --model quantmla --device cpu "
+                                   "Hugging Face model whose every token attends as on a server (the sink and the "
+                                   "last recent tokens in BF16, older ones as the cache stores them). Example: "
+                                   "quantmla lm-eval run --model quantmla --device cpu "
                                    "--tasks TASKS --model_args pretrained=DIR,method=rtn,content=int4,rope=int4. "
                                    "Needs the eval extra (pip install -e '.[eval]').")
     s.add_argument("lm_eval_args", nargs=argparse.REMAINDER, help="arguments for lm-eval (e.g. run --model ...)")

@@ -284,14 +284,11 @@ class QuantMLALayer(DynamicLayer):
 
     is_croppable = False  # crop() works, but tokens quantized on leaving the window do not come back to BF16
 
-    def __init__(self, config: CacheConfig = CacheConfig(), layer_idx: int | None = None,
-                 left_padding: torch.Tensor | None = None):
-        """left_padding: int64 [batch] on the CPU, each row's pad count (see QuantMLACache); it follows the rows
-        through batch selection and reordering, and a reset keeps it."""
+    def __init__(self, config: CacheConfig = CacheConfig(), layer_idx: int | None = None):
         super().__init__()
         self.config = config
         self.layer_idx = layer_idx
-        self.left_padding = left_padding
+        self.left_padding: torch.Tensor | None = None  # int64 [batch], CPU: QuantMLACache's, set at each update
         self.content: PathStore | None = None
         self.rope: PathStore | None = None
 
@@ -374,22 +371,15 @@ class QuantMLALayer(DynamicLayer):
         for p in self._paths():
             p.map(fn)
 
-    def _map_rows(self, fn) -> None:
-        """`_map` for batch selection and reordering: the pad counts (on the CPU) follow the rows, also in a layer
-        not initialized yet."""
-        self._map(fn)
-        if self.left_padding is not None:
-            self.left_padding = fn(self.left_padding)
-
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # Exact: the body is quantized per token and per sequence, so rows can be gathered without a round trip.
-        self._map_rows(_gather_rows(beam_idx))
+        self._map(_gather_rows(beam_idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._map_rows(_select_rows(indices))
+        self._map(_select_rows(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._map_rows(_repeat_rows(repeats))
+        self._map(_repeat_rows(repeats))
 
     def offload(self):
         self._map(lambda t: t.to("cpu", non_blocking=True))
@@ -426,11 +416,10 @@ class QuantMLACache(Cache):
                             f"{type(config).__name__}{hint}")
         self.config = config
         self.num_layers = num_layers
-        # Every layer keeps its own copy; this one seeds the layers added lazily. All follow the rows through batch
-        # selection and reordering.
+        # The one copy: it follows the rows through batch selection and reordering, and each update hands it to
+        # its layer.
         self.left_padding = _check_left_padding(left_padding)
-        layers = [] if num_layers is None else [QuantMLALayer(config.at(i), i, self.left_padding)
-                                                for i in range(num_layers)]
+        layers = [] if num_layers is None else [QuantMLALayer(config.at(i), i) for i in range(num_layers)]
         super().__init__(layers=layers)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
@@ -439,24 +428,25 @@ class QuantMLACache(Cache):
             raise ValueError(f"QuantMLACache was built for {self.num_layers} layers but got layer_idx={layer_idx} "
                              "(LongCat-Flash uses two per decoder layer); pass num_layers=None to add them lazily")
         while len(self.layers) <= layer_idx:
-            self.layers.append(QuantMLALayer(self.config.at(len(self.layers)), len(self.layers), self.left_padding))
+            self.layers.append(QuantMLALayer(self.config.at(len(self.layers)), len(self.layers)))
+        self.layers[layer_idx].left_padding = self.left_padding
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
-    def _map_seed_rows(self, fn) -> None:
+    def _map_pads(self, fn) -> None:
         if self.left_padding is not None:
             self.left_padding = fn(self.left_padding)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         super().reorder_cache(beam_idx)
-        self._map_seed_rows(_gather_rows(beam_idx))
+        self._map_pads(_gather_rows(beam_idx))
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         super().batch_select_indices(indices)
-        self._map_seed_rows(_select_rows(indices))
+        self._map_pads(_select_rows(indices))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         super().batch_repeat_interleave(repeats)
-        self._map_seed_rows(_repeat_rows(repeats))
+        self._map_pads(_repeat_rows(repeats))
 
     def crop(self, tokens_to_remove: int) -> None:
         """`QuantMLALayer.crop` on every layer, checked on all of them before any is cut: a crop through a

@@ -102,9 +102,9 @@ def _calibrated(pretrained) -> bool:
 class QuantMLALM(HFLM):
     """HFLM whose loglikelihood forwards and generations attend under serving semantics for cache_config."""
 
-    def __init__(self, pretrained=None, method: str | None = None, content: str | None = None, rope: str | None = None,
-                 sink: int | None = None, recent: int | None = None, budget: float | None = None,
-                 **kwargs):
+    def __init__(self, pretrained=None, method: str | None = None, content: str | None = None,
+                 rope: str | None = None, sink: int | None = None, recent: int | None = None,
+                 budget: float | None = None, **kwargs):
         _check_names(kwargs)
         if pretrained is None:
             pretrained = str(default_model_dir())

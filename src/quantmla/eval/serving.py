@@ -129,11 +129,11 @@ class ServedPrefillAttention(nn.Module):
         cache.update(c[:, None], k_pe[:, None], layer.cache_idx)
         # Left-padded rows rolled so each starts at its first real token (positions 0.. as HF gives them);
         # the pads, now last, are seen by no real query.
-        pads = getattr(cache, "left_padding", None)
-        pads = torch.zeros(hidden_states.shape[0], dtype=torch.long) if pads is None else pads
         B = hidden_states.shape[0]
+        pads = getattr(cache, "left_padding", None)
+        pads = torch.zeros(B, dtype=torch.long) if pads is None else pads
 
-        def roll(t):  # position embeddings: (cos, sin) [B or 1, T, dr], or DeepSeek-V2's freqs_cis [B or 1, T, dr/2]
+        def roll(t):  # position embeddings: (cos, sin) [B or 1, T, dr] or DeepSeek-V2's freqs_cis [B or 1, T, dr/2]
             return _rows_rolled(t.expand(B, *t.shape[1:]), pads)
 
         pe = position_embeddings
