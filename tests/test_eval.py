@@ -290,6 +290,18 @@ def test_eval_checks_quantmla_lengths_before_calibrating(tiny_dir, capsys, monke
     assert message in capsys.readouterr().err
 
 
+def test_only_needles_count_slack_in_the_advice_for_longer_lengths(tmp_path, capsys):
+    """On a model of 150 positions ppl/kl windows of 134-150 tokens see quantized keys: the advice is those
+    lengths; needles, which need up to LENGTH_SLACK more, get a smaller --recent instead."""
+    src = tmp_path / "short"
+    tiny_model("deepseek_v3", max_position_embeddings=150).save_pretrained(src)
+    base = ["eval", str(src), "--method", "rtn", "--lengths", "96", "--samples", "1"]
+    assert main(base + ["--tasks", "ppl"]) == 2
+    assert "use lengths above 133, or a smaller --recent" in capsys.readouterr().err
+    assert main(base + ["--tasks", "niah"]) == 2
+    assert "use --recent 90 or less (the model's 150 positions" in capsys.readouterr().err
+
+
 def test_short_models_get_a_window_that_fits(tmp_path, capsys):
     """On a model of 128 positions, sink 4 + recent 128 BF16 tokens leave nothing quantized and no longer window
     can help: eval, calibrate and analyze name a --recent that fits instead of lengths above 132."""

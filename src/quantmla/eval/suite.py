@@ -132,22 +132,28 @@ def _formats(config: CacheConfig, path: int) -> str:
 LENGTH_SLACK = 32
 
 
+def length_slack(settings: EvalSettings) -> int:
+    """Tokens a window may need beyond its length: LENGTH_SLACK with needles, else none."""
+    return LENGTH_SLACK if "niah" in settings.tasks else 0
+
+
 def check_lengths(model, settings: EvalSettings) -> None:
     """Raise where a window outgrows the model's positions: ppl/kl's are the longest length, the needles' up
     to LENGTH_SLACK tokens more (so without needles a model's full context can be measured)."""
     max_pos = getattr(model.config, "max_position_embeddings", None)
-    slack = LENGTH_SLACK if "niah" in settings.tasks else 0
+    slack = length_slack(settings)
     if max_pos and max(settings.lengths) + slack > max_pos:
         needles = f" (+ up to {slack} tokens of BOS and answer)" if slack else ""
         raise ValueError(f"length {max(settings.lengths)}{needles} exceeds the model's max_position_embeddings "
                          f"{max_pos}: use --lengths up to {max_pos - slack}")
 
 
-def check_something_quantized(model, config: CacheConfig, longest: int, method: str) -> None:
+def check_something_quantized(model, config: CacheConfig, longest: int, method: str, slack: int = 0) -> None:
     """Raise where no scored query of `longest`-token windows would see a quantized key, so that `method`
     would measure as BF16 (KL 0). The first query that sees one is at sink + recent + block - 1 (`policy`:
     a token-axis format quantizes whole blocks); the last scored one, ppl/kl's, at longest - 2 (position
-    longest - 1 predicts no token of the window)."""
+    longest - 1 predicts no token of the window). `slack`: tokens a window needs beyond its length
+    (length_slack), counted where the error suggests longer lengths."""
     blocks = [block_of(f) for pair in config.per_layer for f in pair if f.kind != "bf16"]
     if not blocks:
         return
@@ -156,7 +162,7 @@ def check_something_quantized(model, config: CacheConfig, longest: int, method: 
         return
     max_pos = getattr(model.config, "max_position_embeddings", None)
     recent = longest - config.sink - min(blocks) - 1
-    fix = (f"use lengths above {bf16}, or a smaller --recent" if not max_pos or bf16 + 1 + LENGTH_SLACK <= max_pos
+    fix = (f"use lengths above {bf16}, or a smaller --recent" if not max_pos or bf16 + 1 + slack <= max_pos
            else f"use --recent {recent} or less (the model's {max_pos} positions allow no lengths that long)"
            if recent >= 0 else f"use a token block smaller than {min(blocks)} (the model's {max_pos} positions "
                                 "allow no lengths that long)")
@@ -183,12 +189,12 @@ def evaluate(model, tokenizer, method: str, args: MethodArgs = MethodArgs(),
         check_lengths(model, settings)
         window = CacheConfig("int4", "int4", SINK if args.sink is None else args.sink,
                              RECENT if args.recent is None else args.recent)
-        check_something_quantized(model, window, longest, label(method, args))
+        check_something_quantized(model, window, longest, label(method, args), length_slack(settings))
     test_model, config = apply_method(method, model, args)
     check_lengths(model, settings)
     layer = describe(model)[0]
     dc, dr = layer.kv_lora_rank, layer.rope_dim
-    check_something_quantized(model, config, longest, label(method, args))
+    check_something_quantized(model, config, longest, label(method, args), length_slack(settings))
     result = EvalResult(
         method=label(method, args), content=_formats(config, 0), rope=_formats(config, 1), sink=config.sink,
         recent=config.recent,
