@@ -53,11 +53,12 @@ def stored_values(x: torch.Tensor, fmt: QuantFormat, config: CacheConfig, what: 
 
 def serving_attention(attn: nn.Module, layer: MLALayer, config: CacheConfig, hidden: torch.Tensor,
                       position_embeddings, rotation: torch.Tensor | None = None,
-                      query_block: int = QUERY_BLOCK) -> torch.Tensor:
+                      query_block: int = QUERY_BLOCK, projected=None) -> torch.Tensor:
     """The attention module's output [B, L, hidden] for a window at positions 0..L-1 under serving semantics;
-    `config` is this layer's (one format per path)."""
+    `config` is this layer's (one format per path). `projected`: (c, k_pe) of `hidden` where the caller has
+    them (project_cache's output), else computed here."""
     B, L, _ = hidden.shape
-    c, k_pe = project_cache(attn, layer, hidden, position_embeddings)
+    c, k_pe = project_cache(attn, layer, hidden, position_embeddings) if projected is None else projected
     name = f"layer {layer.cache_idx}"
     c_st = stored_values(c, config.content, config, f"{name} content")
     r_st = stored_values(k_pe, config.rope, config, f"{name} rope", rotation)
@@ -97,10 +98,10 @@ class ServingAttention(nn.Module):
         self.attn, self.layer, self.config, self.query_block = attn, layer, config, query_block
         self.rotation = online_rotation(config.rope_rotation, layer.rope_dim) if config.rope.kind != "bf16" else None
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **_):
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, projected=None, **_):
         rotation = None if self.rotation is None else self.rotation.to(hidden_states.device)
         return serving_attention(self.attn, self.layer, self.config, hidden_states, position_embeddings, rotation,
-                                 self.query_block), None
+                                 self.query_block, projected), None
 
 
 def _rows_rolled(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -137,7 +138,8 @@ class ServedPrefillAttention(nn.Module):
             return _rows_rolled(t.expand(B, *t.shape[1:]), pads)
 
         pe = position_embeddings
-        out, _ = self.served(roll(hidden_states), tuple(map(roll, pe)) if isinstance(pe, tuple) else roll(pe))
+        out, _ = self.served(roll(hidden_states), tuple(map(roll, pe)) if isinstance(pe, tuple) else roll(pe),
+                             projected=(roll(c), roll(k_pe)))  # rows and positions rolled alike
         return _rows_rolled(out, -pads), None
 
 
