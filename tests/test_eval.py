@@ -171,7 +171,7 @@ def tiny_dir(tmp_path_factory):
     return save_tiny_model("deepseek_v3", tmp_path_factory.mktemp("tiny") / "model")
 
 
-def test_cli_json(tiny_dir, tmp_path):
+def test_cli_json(tiny_dir, tmp_path, capsys):
     out = tmp_path / "eval.json"
     rc = main(["eval", str(tiny_dir), "--method", "rtn", "--content", "int2", "--recent", "16", "--lengths",
                "80,96", "--samples", "1", "--scored", "16", "--json", str(out)])
@@ -182,6 +182,7 @@ def test_cli_json(tiny_dir, tmp_path):
     assert (d["method"], d["content"], d["rope"]) == ("rtn", "int2:32", "int4:16")
     assert d["kl"] > 0 and d["bytes_per_token"] < d["bytes_per_token_bf16"]
     assert set(d["niah"]) == set(TASKS) and set(d["niah"]["single"]) == {"80", "96"}
+    assert "Needle retrieval, % exact (greedy answer)" in capsys.readouterr().out  # one line: the table is narrow
 
 
 def test_cli_scores_half_a_short_window_by_default(tiny_dir, tmp_path):

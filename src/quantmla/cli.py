@@ -455,7 +455,8 @@ def cmd_eval(args) -> None:
 
     console.print(result_table(model_dir.name, r))
     if r.niah:
-        needles = Table(title="Needle retrieval, % exact (greedy answer)", box=box.SIMPLE_HEAD)
+        title = "Needle retrieval, % exact (greedy answer)"
+        needles = Table(title=title, box=box.SIMPLE_HEAD, min_width=len(title))  # a narrow table wrapped its title
         needles.add_column("task")
         for length in settings.lengths:
             needles.add_column(str(length), justify="right")
