@@ -364,3 +364,20 @@ def test_tiny_models_take_another_rope_dim(family, rope_dim):
     cache = DynamicCache()
     model(torch.randint(0, 128, (1, 5)), past_key_values=cache)
     assert cache.layers[0].values.shape[-1] == rope_dim
+
+
+@pytest.mark.parametrize("model_type, why", [
+    *((t, "uses DeepSeek Sparse Attention \\(an indexer selects the keys each query sees\\)")
+      for t in ("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "glm5_next")),
+    ("kimi_linear", "mixes MLA layers with linear-attention"),
+])
+def test_mla_families_quantmla_does_not_run_are_refused_saying_why(tmp_path, model_type, why):
+    """transformers runs these MLA models, but their attention is not one quantmla serves: the refusal names
+    the reason on one line (glm5_next by its text model, glm5_next_text)."""
+    from transformers import AutoConfig
+
+    AutoConfig.for_model(model_type).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedModelError, match=f"model_type '{model_type}(_text)?' in .* {why}.*, which "
+                                                    "quantmla does not support; supported: deepseek_v2") as e:
+        describe(tmp_path)
+    assert "\n" not in str(e.value)

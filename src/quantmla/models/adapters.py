@@ -109,6 +109,13 @@ FAMILIES = {
     "minicpm3": _minicpm3,
 }
 
+# MLA families transformers runs but quantmla does not: why, for the refusal.
+_DSA = "uses DeepSeek Sparse Attention (an indexer selects the keys each query sees)"
+NOT_SUPPORTED = {
+    **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "glm5_next", "glm5_next_text"), _DSA),
+    "kimi_linear": "mixes MLA layers with linear-attention (Kimi Delta Attention) layers, whose state is no KV cache",
+}
+
 
 def _text_config(model: nn.Module):
     config = model.config
@@ -130,9 +137,7 @@ def describe(model: nn.Module | str | Path) -> list[MLALayer]:
     config = _text_config(model)
     model_type = getattr(config, "model_type", type(model).__name__)
     if model_type not in FAMILIES:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not a supported MLA family; supported: {', '.join(sorted(FAMILIES))}"
-        )
+        raise _unsupported(model_type)
     layers = []
     for name, attn in model.named_modules():
         if not _is_mla_attention(attn):
@@ -217,9 +222,11 @@ def check_unquantized(path: str | Path) -> None:
                          "calibration folds into unquantized ones: convert the checkpoint to bf16 first")
 
 
-def _unsupported(model_type, path: Path) -> UnsupportedModelError:
-    return UnsupportedModelError(f"model_type {model_type!r} in {path} is not a supported MLA family; "
-                                 f"supported: {', '.join(sorted(FAMILIES))}")
+def _unsupported(model_type, path: Path | None = None) -> UnsupportedModelError:
+    where = f" in {path}" if path is not None else ""
+    why = (f"{NOT_SUPPORTED[model_type]}, which quantmla does not support" if model_type in NOT_SUPPORTED
+           else "is not a supported MLA family")
+    return UnsupportedModelError(f"model_type {model_type!r}{where} {why}; supported: {', '.join(sorted(FAMILIES))}")
 
 
 # Checkpoints that name their own model_type but are a supported family's architecture (their config.json's
