@@ -290,7 +290,7 @@ def test_commands_reject_bad_input(tiny_dir, tmp_path, capsys):
     llama.save_pretrained(tmp_path / "llama")
     assert main(["info", str(tmp_path / "llama")]) == 2
     err = capsys.readouterr().err
-    assert "model_type 'llama'" in err and "not a supported MLA family; supported: deepseek_v2" in err
+    assert "model_type 'llama'" in err and "not a supported MLA family; supported: axk1, deepseek_v2" in err
 
 
 def test_calibrate_rejects_a_bad_budget_before_loading_the_model(tiny_dir, tmp_path, capsys, monkeypatch):

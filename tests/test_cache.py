@@ -16,6 +16,9 @@ from quantmla.quant.formats import bytes_per_token, fake_quantize
 from quantmla.models.tiny import TINY_FAMILIES, tiny_model
 
 FAMILIES = list(TINY_FAMILIES)
+# The models' own attention reads QuantMLACache, and axk1's module writes it as deepseek_v3's does: the BF16 check
+# runs it, the quality checks do not.
+QUALITY_FAMILIES = [f for f in FAMILIES if f != "axk1"]
 DC, DR = 32, 16  # tiny kv_lora_rank and rope dim (minicpm3: 8); groups of 8 divide both
 
 
@@ -75,7 +78,7 @@ def test_bf16_reproduces_dynamic_cache(family, sink, recent):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", QUALITY_FAMILIES)
 def test_int8_keeps_greedy_tokens(family):
     """INT8 on both paths leaves the greedy continuation of (nearly) every prompt unchanged for 16 steps.
 
@@ -102,7 +105,7 @@ def test_int8_keeps_greedy_tokens(family):
         assert (model.generate(ids, **gen, **_kw(model, int4)) == ref).all(1).sum() < 13
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", QUALITY_FAMILIES)
 def test_int4_changes_what_the_prefill_sees(family):
     """No silent passthrough: with recent=0 the prefill's own queries already attend to the INT4 history."""
     model = _model(family)

@@ -41,7 +41,7 @@ def rel(got, want) -> float:
 # ("int2:t8", "int4:t4"): token-axis paths of different blocks; the step completes a rope block (34..37).
 @pytest.mark.parametrize("fmts", [("bf16", "bf16"), ("int4", "int4"), ("int2:t8", "int4:t4")],
                          ids=lambda f: "-".join(f))
-@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+@pytest.mark.parametrize("family", [f for f in TINY_FAMILIES if f != "axk1"])  # axk1: deepseek_v3's attention
 def test_decode_step_matches_the_model(family, fmts, kernel, one_thread):
     model = tiny_model(family).to(DEV)
     layers = describe(model)

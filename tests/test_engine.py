@@ -22,6 +22,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 SINK, RECENT, PAGE = 2, 8, 16
 LENGTHS, NEW = (5, 37, 70), 12
+# axk1's attention is deepseek_v3's op for op: the BF16 run below takes it through the engine once.
+QUANT_FAMILIES = [f for f in TINY_FAMILIES if f != "axk1"]
 
 
 def prompts(vocab: int, lengths=LENGTHS, seed: int = 1) -> list[list[int]]:
@@ -109,7 +111,7 @@ def sharp_model(family: str):
     return model
 
 
-@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+@pytest.mark.parametrize("family", QUANT_FAMILIES)
 def test_int2_greedy_equals_generate_with_quant_cache(family):
     ref = sharp_model(family)
     layer = describe(ref)[0]
@@ -122,7 +124,7 @@ def test_int2_greedy_equals_generate_with_quant_cache(family):
     assert engine_greedy(sharp_model(family), "bf16", "bf16", ids, NEW) != got
 
 
-@pytest.mark.parametrize("family", list(TINY_FAMILIES))
+@pytest.mark.parametrize("family", QUANT_FAMILIES)
 def test_int4_greedy_equals_generate_with_quant_cache(family):
     """The headline format, plain INT4/INT4: the engine's greedy tokens are those of `generate` with a
     QuantMLACache of the same formats fed token by token (as a server sees them), on every tiny family.

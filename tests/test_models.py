@@ -71,13 +71,14 @@ def test_descriptions():
     assert longcat[0].latent_scale == pytest.approx((64 / 32) ** 0.5)
     v3 = by["deepseek_v3"][0]
     assert v3.weight_pairs[1] == (2, 3) and v3.cache_pairs[1] == (1, 1 + v3.rope_dim // 2)
+    assert dataclasses.replace(by["axk1"][0], model_type="deepseek_v3") == v3  # V3's attention, always q LoRA
 
 
 def test_non_mla_model_is_rejected(tmp_path):
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2)
     model = LlamaForCausalLM(cfg)
-    with pytest.raises(UnsupportedModelError, match="'llama'.*supported: deepseek_v2"):
+    with pytest.raises(UnsupportedModelError, match="'llama' is not a supported MLA family; supported: axk1, deep"):
         describe(model)
     model.save_pretrained(tmp_path / "llama")
     with pytest.raises(UnsupportedModelError, match="'llama'"):
@@ -132,7 +133,7 @@ def test_model_type_without_a_transformers_class_is_refused_by_name(tmp_path):
 
     path = _retyped(tmp_path, "mla_custom")
     for load in (load_model, skeleton):
-        with pytest.raises(UnsupportedModelError, match="'mla_custom'.*supported: deepseek_v2"):
+        with pytest.raises(UnsupportedModelError, match="'mla_custom'.*supported: axk1, deepseek_v2"):
             load(path)
 
 
@@ -378,6 +379,6 @@ def test_mla_families_quantmla_does_not_run_are_refused_saying_why(tmp_path, mod
 
     AutoConfig.for_model(model_type).save_pretrained(tmp_path)
     with pytest.raises(UnsupportedModelError, match=f"model_type '{model_type}(_text)?' in .* {why}.*, which "
-                                                    "quantmla does not support; supported: deepseek_v2") as e:
+                                                    "quantmla does not support; supported: axk1, deepseek_v2") as e:
         describe(tmp_path)
     assert "\n" not in str(e.value)

@@ -105,6 +105,7 @@ FAMILIES = {
     "deepseek_v3": _v3_like,  # also Kimi K2
     "glm4_moe_lite": _v3_like,  # GLM-4.7-Flash
     "youtu": _v3_like,
+    "axk1": _v3_like,  # A.X K1
     "longcat_flash": _longcat_flash,
     "minicpm3": _minicpm3,
 }

@@ -39,6 +39,8 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                                   dim_model_base=32)),
     "youtu": ("youtu", dict(_COMMON, num_hidden_layers=2, q_lora_rank=24, intermediate_size=96,
                             rope_interleave=True, bos_token_id=1, eos_token_id=2)),  # its defaults exceed 128
+    "axk1": ("axk1", dict(_COMMON, **_MOE_OFF, num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=24,
+                          bos_token_id=1, eos_token_id=2)),
 }
 
 
