@@ -119,14 +119,31 @@ def skeleton(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-def _to_model_names(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Checkpoint names -> module names: per-expert projections become transformers' fused expert tensors
-    (gate_up_proj = cat(stack(gate), stack(up), dim 1), down_proj = stack(down)), as its loader does."""
+def renaming(model: nn.Module):
+    """checkpoint name -> module name under the renamings transformers' loader applies to this model (A.X K1
+    stores its mlp.post_mlp_layernorm as post_mlp_layernorm); names relative to a decoder layer work alike."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+
+    def rename(key: str) -> str:
+        for t in renamings:
+            key = t.rename_source_key(key)[0]
+        return key
+
+    return rename
+
+
+def _to_model_names(tensors: dict[str, torch.Tensor], rename) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> module names: `rename`d (`renaming`), and per-expert projections become
+    transformers' fused expert tensors (gate_up_proj = cat(stack(gate), stack(up), dim 1), down_proj =
+    stack(down)), as its loader does."""
     out, experts = {}, {}
     for k, v in tensors.items():
         m = _EXPERT.match(k)
         if m is None:
-            out[k] = v
+            out[rename(k)] = v
         else:
             experts.setdefault(m["pre"], {}).setdefault(m["proj"], {})[int(m["e"])] = v
     for pre, projs in experts.items():
@@ -174,6 +191,7 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     if dtype is None:
         dtype = source_dtype(model_dir)
     layers = describe(model)
+    rename = renaming(model)
     prefix = layers[0].module.split(".layers.")[0] + ".layers."
     n = len(model.get_submodule(prefix[:-1]))
     files = [f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors" for i in range(n + 1)]
@@ -187,9 +205,9 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
 
     def write(shard: str, keys, state: dict[str, torch.Tensor], source: dict[str, torch.Tensor]):
         nonlocal total
-        # a name the module has (folded or not) comes from the module; the per-expert names from the source
-        tensors = {k: (state[k] if k in state else source[k]).detach().to(stored_dtype(model, k, dtype)).contiguous()
-                   for k in keys}
+        # a name the module has (folded or not, `rename`d) comes from the module; the per-expert names from the source
+        tensors = {k: (state[rename(k)] if rename(k) in state else source[k]).detach()
+                   .to(stored_dtype(model, k, dtype)).contiguous() for k in keys}
         save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
         total += sum(t.nbytes for t in tensors.values())
         weight_map.update({k: shard for k in keys})
@@ -201,7 +219,7 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     # Everything outside the decoder layers, resident for the whole run (the forward needs the embeddings).
     rest = [k for k in reader.weight_map if not k.startswith(prefix)]
     source = reader.read(rest)
-    tensors = {k: v.to(compute) for k, v in _to_model_names(source).items()}
+    tensors = {k: v.to(compute) for k, v in _to_model_names(source, rename).items()}
     _check_shapes(model, tensors, str(model_dir))
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     if unexpected:
@@ -220,7 +238,7 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
         keys = reader.keys_under(f"{prefix}{i}.")
         layer_source.clear()
         layer_source.update({k[len(f"{prefix}{i}."):]: v for k, v in reader.read(keys).items()})
-        tensors = {k: v.to(compute) for k, v in _to_model_names(layer_source).items()}
+        tensors = {k: v.to(compute) for k, v in _to_model_names(layer_source, rename).items()}
         _check_shapes(block, tensors, f"{model_dir}: layer {i}")
         missing, unexpected = block.load_state_dict(tensors, strict=False, assign=True)
         if missing or unexpected:  # strict=True would raise these as a multi-line error
@@ -229,11 +247,9 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
         peak = max(peak, _resident_bytes(model))
 
     def after(i, block):
-        names = list(layer_source)
-        state = block.state_dict()
-        tensors = {k: (state[k] if k in state else layer_source[k]) for k in names}
-        write(files[i], [f"{prefix}{i}.{k}" for k in names], {f"{prefix}{i}.{k}": v for k, v in tensors.items()},
-              {})
+        at = f"{prefix}{i}."
+        write(files[i], [at + k for k in layer_source], {at + k: v for k, v in block.state_dict().items()},
+              {at + k: v for k, v in layer_source.items()})
         layer_source.clear()
         block.to("meta")  # free the layer's weights
 
