@@ -74,7 +74,7 @@ def test_decode_step_matches_the_model(family, fmts, kernel, one_thread):
         # The output: the model's own (BF16 cache) or the oracle's on the dequantized cache (INT4). The
         # kernel's bf16 operands (truncated, in the interpreter) leave 0.1-1 %; a 5 % error in the softmax
         # scale costs 1.6-3.6 % on the families with the most peaked attention.
-        oracle = attention_from_cache(attn, layer, s.hidden[:, T:], pe, c, k_pe)[0]
+        oracle = attention_from_cache(attn, layer, s.hidden[:, T:], pe, c, k_pe, positions=s.positions[:, T:])[0]
         assert rel(out, s.output[:, T:] if fmts[0] == "bf16" else oracle) < 1.5e-2
         if fmts[0] != "bf16":  # and the INT4 cache is not a no-op: the model's own output is further away
             assert rel(out, s.output[:, T:]) > 2 * rel(out, oracle)

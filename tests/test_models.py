@@ -27,8 +27,9 @@ def test_reference_matches_transformers(family):
     for layer in layers:
         k = cap[layer.cache_idx]
         attn = attention_module(model, layer)
-        absorbed, heads = attention_from_cache(attn, layer, k.hidden, k.position_embeddings, k.c, k.k_pe)
-        expanded, _ = expanded_attention(attn, layer, k.hidden, k.position_embeddings, k.c, k.k_pe)
+        absorbed, heads = attention_from_cache(attn, layer, k.hidden, k.position_embeddings, k.c, k.k_pe,
+                                               positions=k.positions)
+        expanded, _ = expanded_attention(attn, layer, k.hidden, k.position_embeddings, k.c, k.k_pe, k.positions)
         assert rel(absorbed, k.output) < 1e-5
         assert rel(heads, k.heads) < 1e-5
         assert rel(expanded, k.output) < 1e-5
@@ -46,7 +47,7 @@ def test_reference_decode_step_matches(family):
         attn = attention_module(model, layer)
         pe = tuple(t[:, -1:] for t in k.position_embeddings) if isinstance(k.position_embeddings, tuple) \
             else k.position_embeddings[:, -1:]
-        out, _ = attention_from_cache(attn, layer, k.hidden[:, -1:], pe, k.c, k.k_pe)
+        out, _ = attention_from_cache(attn, layer, k.hidden[:, -1:], pe, k.c, k.k_pe, positions=k.positions[:, -1:])
         assert rel(out, k.output[:, -1:]) < 1e-5
 
 

@@ -1,7 +1,8 @@
 """Capture what each MLA attention sees and caches, with forward hooks (no monkeypatching).
 
 `capture(model, input_ids)` runs one forward pass and returns, per cache index, the attention's input
-hidden states, the position embeddings it received, its output, and the (c, k_pe) it wrote to the cache.
+hidden states, the position embeddings and position ids it received, its output, and the (c, k_pe) it wrote
+to the cache.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Captured:
     heads: torch.Tensor  # [B, T, H*dv]    attention output before o_proj
     c: torch.Tensor | None = None  # [B, T, dc]  cached content latent
     k_pe: torch.Tensor | None = None  # [B, T, dr]  cached post-RoPE key
+    positions: torch.Tensor | None = None  # [B or 1, T]  position_ids, as the model passed them (if it did)
 
 
 @contextmanager
@@ -36,9 +38,11 @@ def attention_hooks(model, layers: list[MLALayer], store: dict[int, Captured]):
         def pre(mod, args, kwargs, pending=pending):
             pending["hidden"] = kwargs.get("hidden_states", args[0] if args else None)
             pending["pe"] = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
+            pending["positions"] = kwargs.get("position_ids")
 
         def post(mod, args, kwargs, out, pending=pending, idx=layer.cache_idx):
-            store[idx] = Captured(pending["hidden"], pending["pe"], out[0], pending.get("heads"))
+            store[idx] = Captured(pending["hidden"], pending["pe"], out[0], pending.get("heads"),
+                                  positions=pending["positions"])
 
         def o_pre(mod, args, pending=pending):
             pending["heads"] = args[0]

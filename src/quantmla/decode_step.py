@@ -4,7 +4,8 @@
 
 `attn` is the model's own attention module (any family `quantmla.models.adapters.describe` knows) and
 `layer` its `MLALayer`; `hidden` [B, 1, hidden] is the attention's input for the new token of each sequence
-and `position_embeddings` what the model passes its attention for that token. The step
+and `position_embeddings` what the model passes its attention for that token, whose position is seq_lens (the
+cache holds positions 0..seq_lens-1; it also gives a Mistral 4 query its position factor). The step
   1. projects the new token's cache entry (c, k_pe) exactly as the model would cache it and appends it to
      `cache` (`PagedMLACache.append_decode`: quantized as tokens leave the BF16 window, a token-axis
      path's block once all of it has),
@@ -65,7 +66,7 @@ def decode_step(
     # read the data on the host anyway and go through PagedMLACache.append_decode.
     write = append_decode_fused if use_triton else PagedMLACache.append_decode
     write(cache, slots, block_tables, seq_lens, c[:, 0], k_pe[:, 0], checked=checked)
-    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings, seq_lens[:, None])
     w_uk, w_uv = split_kv_b(attn, layer)
     # In the weights' own dtype: no per-step fp32 copies of W_uk / W_uv (the kernel rounds q to bf16 anyway).
     q_abs = absorb_queries(q_nope, w_uk)[:, :, 0]

@@ -37,8 +37,20 @@ def apply_rope(x: torch.Tensor, position_embeddings, layer: MLALayer) -> torch.T
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-def project_queries(attn: nn.Module, layer: MLALayer, hidden: torch.Tensor, position_embeddings):
-    """hidden [B, T, hidden] -> (q_nope [B, H, T, dn], q_pe [B, H, T, dr] after RoPE)."""
+def query_position_factor(layer: MLALayer, positions: torch.Tensor) -> torch.Tensor:
+    """positions [B or 1, T] integer -> the factor [B or 1, 1, T, 1] float32 that multiplies the whole query
+    after RoPE: 1 + query_pos_beta * log(1 + floor(position / query_pos_max)), as Mistral 4 computes it."""
+    return (1 + layer.query_pos_beta * torch.log(1 + torch.floor(positions / layer.query_pos_max)))[:, None, :, None]
+
+
+def project_queries(attn: nn.Module, layer: MLALayer, hidden: torch.Tensor, position_embeddings,
+                    positions: torch.Tensor | None = None):
+    """hidden [B, T, hidden] -> (q_nope [B, H, T, dn], q_pe [B, H, T, dr] after RoPE), in hidden's dtype.
+
+    positions [B or 1, T] integer: the query tokens' positions (what the model passes its attention as
+    position_ids). Required by a layer whose query has a position factor (`MLALayer.query_pos_beta`, Mistral 4):
+    ValueError without them; unused otherwise.
+    """
     if layer.q_path == "q_proj":
         q = attn.q_proj(hidden)
     else:
@@ -47,7 +59,14 @@ def project_queries(attn: nn.Module, layer: MLALayer, hidden: torch.Tensor, posi
     if layer.query_scale != 1.0:  # a kernel per call saved in every decode step of the other families
         q = q * layer.query_scale
     q_nope, q_pe = q.split([layer.nope_dim, layer.rope_dim], dim=-1)
-    return q_nope, apply_rope(q_pe, position_embeddings, layer)
+    q_pe = apply_rope(q_pe, position_embeddings, layer)
+    if layer.query_pos_beta:
+        if positions is None:
+            raise ValueError(f"{layer.module}: a {layer.model_type} query is scaled by its position: "
+                             "project_queries needs the query positions")
+        factor = query_position_factor(layer, positions.to(q.device)).to(q.dtype)
+        q_nope, q_pe = q_nope * factor, q_pe * factor
+    return q_nope, q_pe
 
 
 def split_kv_b(attn: nn.Module, layer: MLALayer) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,13 +96,15 @@ def latent_attention(q_abs, q_pe, c, k_pe, scale: float, causal: bool = True, dt
     return torch.einsum("bhts,bsc->bhtc", torch.exp(scores - lse.unsqueeze(-1)), c), lse
 
 
-def attention_from_cache(attn, layer: MLALayer, hidden, position_embeddings, c, k_pe, causal: bool = True):
+def attention_from_cache(attn, layer: MLALayer, hidden, position_embeddings, c, k_pe, causal: bool = True,
+                         positions=None):
     """The attention module's output (after o_proj) computed in absorbed form from the cache (c, k_pe).
 
-    c [B, S, dc] and k_pe [B, S, dr] must already contain the T tokens of `hidden` [B, T, hidden] at their end.
+    c [B, S, dc] and k_pe [B, S, dr] must already contain the T tokens of `hidden` [B, T, hidden] at their end;
+    positions: the queries' ([B or 1, T], `project_queries`).
     Returns (output [B, T, hidden], per-head values before o_proj [B, T, H*dv]).
     """
-    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings, positions)
     w_uk, w_uv = split_kv_b(attn, layer)
     latent, _ = latent_attention(absorb_queries(q_nope.float(), w_uk.float()), q_pe, c, k_pe,
                                  layer.softmax_scale, causal)
@@ -91,9 +112,9 @@ def attention_from_cache(attn, layer: MLALayer, hidden, position_embeddings, c, 
     return attn.o_proj(heads), heads
 
 
-def expanded_attention(attn, layer: MLALayer, hidden, position_embeddings, c, k_pe):
+def expanded_attention(attn, layer: MLALayer, hidden, position_embeddings, c, k_pe, positions=None):
     """The same output computed the expanded way (per-head K/V materialised), for cross-checks."""
-    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings, positions)
     kv = attn.kv_b_proj(c).view(*c.shape[:2], layer.num_heads, -1).transpose(1, 2)
     k_nope, v = kv.split([layer.nope_dim, layer.v_dim], dim=-1)
     k = torch.cat([k_nope, k_pe.unsqueeze(1).expand(-1, layer.num_heads, -1, -1)], dim=-1)

@@ -118,7 +118,7 @@ class AmplificationResult:
 def policy_output(attn, layer: MLALayer, k, quantized: torch.Tensor, delta_c=None, delta_pe=None):
     """(output after o_proj, heads before it) of the captured attention k over its own cache, each query
     seeing the deltas at the keys `quantized` [T, T] marks (`policy.policy_attention`)."""
-    q_nope, q_pe = project_queries(attn, layer, k.hidden, k.position_embeddings)
+    q_nope, q_pe = project_queries(attn, layer, k.hidden, k.position_embeddings, k.positions)
     w_uk, w_uv = split_kv_b(attn, layer)
     pos = torch.arange(k.c.shape[1], device=k.c.device)
     latent = policy_attention(absorb_queries(q_nope.float(), w_uk.float()), q_pe.float(), k.c.float(),

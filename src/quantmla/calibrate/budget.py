@@ -103,7 +103,7 @@ def format_errors(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg: C
     out = {}
     for layer in layers:
         attn, cap = attention_module(model, layer), store[layer.cache_idx]
-        q_nope, q_pe = project_queries(attn, layer, cap.hidden, cap.position_embeddings)
+        q_nope, q_pe = project_queries(attn, layer, cap.hidden, cap.position_embeddings, cap.positions)
         w_uk, w_uv = split_kv_b(attn, layer)
         q_abs = absorb_queries(q_nope[:, :, pos].float(), w_uk.float())
         q_pe = q_pe[:, :, pos].float()

@@ -111,12 +111,13 @@ def check_calibratable(cfg: CacheConfig) -> None:
 
 
 def calibrate_attention(attn, layer: MLALayer, hidden, position_embeddings, cfg: CacheConfig, steps: int,
-                        seed: int, n_queries: int = 64, space: SearchSpace | None = None
+                        seed: int, n_queries: int = 64, space: SearchSpace | None = None, positions=None
                         ) -> tuple[ContentTransform | None, RopeTransform | None, LayerReport]:
-    """Fit both transforms of one attention from its inputs hidden [B, T, hidden] (does not fold them), for
-    queries where cfg's serving policy shows them a quantized region (`policy.query_positions`), and choose
-    each path's format among `space`'s points (default: cfg's formats only). cfg: this layer's formats."""
-    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    """Fit both transforms of one attention from its inputs hidden [B, T, hidden] at `positions` ([B or 1, T],
+    `project_queries`) (does not fold them), for queries where cfg's serving policy shows them a quantized
+    region (`policy.query_positions`), and choose each path's format among `space`'s points (default: cfg's
+    formats only). cfg: this layer's formats."""
+    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings, positions)
     c, k_pe = project_cache(attn, layer, hidden, position_embeddings)
     pos = query_positions(hidden.shape[1], cfg, n_queries)
     q_nope, q_pe = q_nope[:, :, pos], q_pe[:, :, pos]
@@ -199,7 +200,7 @@ def calibrate_model(model, layers: list[MLALayer], input_ids: torch.Tensor, cfg:
             k = seen[l.cache_idx]
             content, rope, report = calibrate_attention(attn, l, k.hidden, k.position_embeddings,
                                                         cfg.at(l.cache_idx), steps, seed + l.cache_idx,
-                                                        space=space)
+                                                        space=space, positions=k.positions)
             if content is not None:
                 fold_content(attn, l, content)
             if rope is not None:

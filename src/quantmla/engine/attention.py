@@ -163,8 +163,9 @@ class StepContext:
 
 @torch.no_grad()
 def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hidden: torch.Tensor,
-                      position_embeddings, ctx: Prefill) -> torch.Tensor:
-    """Write the chunk's (c, k_pe) into the pool and return the attention output [1, n, hidden].
+                      position_embeddings, ctx: Prefill, positions: torch.Tensor | None = None) -> torch.Tensor:
+    """Write the chunk's (c, k_pe) into the pool and return the attention output [1, n, hidden]; positions
+    [1, n]: the chunk's (`project_queries`).
 
     Keys come in two sets, each (position, version) at most once per query: the cache as served after the
     chunk (`write_chunk`'s view: quantized body, BF16 sink and ring rows), and the band entries: versions of
@@ -183,7 +184,7 @@ def prefill_attention(attn: nn.Module, layer: MLALayer, cache: PagedMLACache, hi
     all_c, all_r = view.c, view.k_pe
     if plan.keys_c is not None:
         all_c, all_r = view.content.index_select(0, plan.keys_c), view.rope.index_select(0, plan.keys_r)
-    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings, positions)
     q = torch.cat([q_nope, q_pe], dim=-1)
     kv = attn.kv_b_proj(all_c).view(-1, layer.num_heads, layer.nope_dim + layer.v_dim).transpose(0, 1)
     k_nope, v = kv.split([layer.nope_dim, layer.v_dim], dim=-1)
@@ -208,10 +209,11 @@ class PagedAttention(nn.Module):
         super().__init__()
         self.attn, self.layer, self.cache, self.step, self.kernel = attn, layer, cache, step, kernel
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, **_):
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, position_ids=None, **_):
         ctx = self.step.current
         if isinstance(ctx, Prefill):
-            return prefill_attention(self.attn, self.layer, self.cache, hidden_states, position_embeddings, ctx), None
+            return prefill_attention(self.attn, self.layer, self.cache, hidden_states, position_embeddings, ctx,
+                                     position_ids), None
         if isinstance(ctx, Decode):
             out = decode_step(self.attn, self.layer, hidden_states, position_embeddings, self.cache,
                               ctx.block_tables, ctx.seq_lens, ctx.slots, max_seq_len=ctx.max_seq_len,

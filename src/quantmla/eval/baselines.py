@@ -160,7 +160,7 @@ def activation_maxima(model: nn.Module, layers: list[MLALayer], ids: torch.Tenso
     def hook(attn, args, kwargs, layer):
         hidden = kwargs.get("hidden_states", args[0] if args else None)
         pe = kwargs.get("position_embeddings", args[1] if len(args) > 1 else None)
-        q_nope, q_pe = project_queries(attn, layer, hidden, pe)
+        q_nope, q_pe = project_queries(attn, layer, hidden, pe, kwargs.get("position_ids"))
         c, k_pe = project_cache(attn, layer, hidden, pe)
         q_abs = absorb_queries(q_nope.float(), split_kv_b(attn, layer)[0].float())
         pairs = torch.tensor(layer.cache_pairs)

@@ -53,10 +53,11 @@ def stored_values(x: torch.Tensor, fmt: QuantFormat, config: CacheConfig, what: 
 
 def serving_attention(attn: nn.Module, layer: MLALayer, config: CacheConfig, hidden: torch.Tensor,
                       position_embeddings, rotation: torch.Tensor | None = None,
-                      query_block: int = QUERY_BLOCK, projected=None) -> torch.Tensor:
+                      query_block: int = QUERY_BLOCK, projected=None, positions=None) -> torch.Tensor:
     """The attention module's output [B, L, hidden] for a window at positions 0..L-1 under serving semantics;
     `config` is this layer's (one format per path). `projected`: (c, k_pe) of `hidden` where the caller has
-    them (project_cache's output), else computed here."""
+    them (project_cache's output), else computed here. positions [B or 1, L]: the position_ids the model
+    passed (`project_queries`; 0..L-1 for a window, a padded row's own where generate counts them)."""
     B, L, _ = hidden.shape
     c, k_pe = project_cache(attn, layer, hidden, position_embeddings) if projected is None else projected
     name = f"layer {layer.cache_idx}"
@@ -66,7 +67,7 @@ def serving_attention(attn: nn.Module, layer: MLALayer, config: CacheConfig, hid
     kv = attn.kv_b_proj(torch.cat([c, c_st], dim=1)).view(B, 2 * L, layer.num_heads, -1).transpose(1, 2)
     k_nope, v = kv.split([layer.nope_dim, layer.v_dim], dim=-1)
     rope = torch.cat([k_pe, r_st], dim=1)
-    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings)
+    q_nope, q_pe = project_queries(attn, layer, hidden, position_embeddings, positions)
     q = torch.cat([q_nope, q_pe], dim=-1)
     sc = stored_from(config.content, config.sink, config.recent, L, hidden.device)
     sr = stored_from(config.rope, config.sink, config.recent, L, hidden.device)
@@ -98,10 +99,10 @@ class ServingAttention(nn.Module):
         self.attn, self.layer, self.config, self.query_block = attn, layer, config, query_block
         self.rotation = online_rotation(config.rope_rotation, layer.rope_dim) if config.rope.kind != "bf16" else None
 
-    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, projected=None, **_):
+    def forward(self, hidden_states: torch.Tensor, position_embeddings=None, projected=None, position_ids=None, **_):
         rotation = None if self.rotation is None else self.rotation.to(hidden_states.device)
         return serving_attention(self.attn, self.layer, self.config, hidden_states, position_embeddings, rotation,
-                                 self.query_block, projected), None
+                                 self.query_block, projected, position_ids), None
 
 
 def _rows_rolled(x: torch.Tensor, shift: torch.Tensor) -> torch.Tensor:
@@ -137,9 +138,10 @@ class ServedPrefillAttention(nn.Module):
         def roll(t):  # position embeddings: (cos, sin) [B or 1, T, dr] or DeepSeek-V2's freqs_cis [B or 1, T, dr/2]
             return _rows_rolled(t.expand(B, *t.shape[1:]), pads)
 
-        pe = position_embeddings
+        pe, ids = position_embeddings, kwargs.get("position_ids")  # ids [B or 1, T]: generate counts each row's own
         out, _ = self.served(roll(hidden_states), tuple(map(roll, pe)) if isinstance(pe, tuple) else roll(pe),
-                             projected=(roll(c), roll(k_pe)))  # rows and positions rolled alike
+                             projected=(roll(c), roll(k_pe)),
+                             position_ids=None if ids is None else roll(ids))  # rows and positions rolled alike
         return _rows_rolled(out, -pads), None
 
 

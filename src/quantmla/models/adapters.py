@@ -3,7 +3,7 @@
 Everything family-specific lives here, in one small function per family; the rest of quantmla only reads
 `MLALayer`. Every supported family names its attention weights the same way (`q_proj` or `q_a_proj`/
 `q_b_proj`, `kv_a_proj_with_mqa`, `kv_a_layernorm`, `kv_b_proj`, `o_proj`); they differ in where the RoPE
-pairs sit and in a few scalars.
+pairs sit and in a few scalars (Mistral 4 also in a query factor of the position).
 
 RoPE styles (pairs are index pairs inside the rope part, of width d):
   complex     DeepSeek-V2: weights and cache both interleaved, pair j = (2j, 2j+1)
@@ -40,6 +40,10 @@ class MLALayer:
     query_scale:   constant multiplying q (LongCat's mla_scale_q_lora)
     softmax_scale: the attention's score scale, YaRN mscale included
     mscale:        softmax_scale / qk_head_dim**-0.5 (1.0 without YaRN)
+    query_pos_beta, query_pos_max: after RoPE the whole query (nope and rope parts) is multiplied by
+                   1 + query_pos_beta * log(1 + floor(position / query_pos_max)) (Mistral 4: Llama 4's
+                   attention scaling, rope_parameters' llama_4_scaling_beta and original_max_position_embeddings);
+                   beta 0: no such factor. `quantmla.mla.project_queries` applies it.
     """
 
     model_type: str
@@ -56,6 +60,8 @@ class MLALayer:
     query_scale: float = 1.0
     softmax_scale: float = 1.0
     mscale: float = 1.0
+    query_pos_beta: float = 0.0
+    query_pos_max: int = 0
 
     @property
     def weight_pairs(self) -> list[tuple[int, int]]:
