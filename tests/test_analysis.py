@@ -328,3 +328,25 @@ def test_calibration_table_keeps_long_formats_whole_at_80_columns():
     assert all(len(line) <= 80 and "\u2026" not in line for line in lines), "\n".join(lines)
     text = "\n".join(lines)
     assert "int8:16r128c0.95" in text and "SmoothQuant" in text and "1.66e+03x" in text
+
+
+@pytest.mark.parametrize("family", ["axk1", "mistral4"])
+def test_every_command_runs_on_a_checkpoint_of_the_newest_families(family, tmp_path):
+    """An A.X K1 or (text-only) Mistral 4 checkpoint, read from its directory with transformers' own classes:
+    info, analyze, calibrate, eval of the calibrated checkpoint, and the engine serving it."""
+    from quantmla.engine import LLM, SamplingParams
+
+    src = save_tiny_model(family, tmp_path / "src")
+    assert main(["info", str(src), "--json", str(tmp_path / "info.json")]) == 0
+    layers = json.loads((tmp_path / "info.json").read_text())["layers"]
+    assert [row["rope_style"] for row in layers] == ["interleave"] * 2
+    assert main(["analyze", str(src), "--length", "64", "--samples", "2", "--sink", "2", "--recent", "8"]) == 0
+    out = tmp_path / "cal"
+    assert main(["calibrate", str(src), "--samples", "4", "--length", "80", "--recent", "16", "--steps", "1",
+                 "--out", str(out)]) == 0
+    assert main(["eval", str(out), "--lengths", "96", "--samples", "1", "--json", str(tmp_path / "eval.json")]) == 0
+    result = json.loads((tmp_path / "eval.json").read_text())
+    assert result["method"] == "quantmla" and 0 < result["kl"] < 1e-3
+    llm = LLM(str(out), max_num_seqs=2, kv_cache_bytes=1 << 20)
+    outs = llm.generate([list(range(3, 60)), [5, 6, 7]], SamplingParams(max_tokens=8, ignore_eos=True))
+    assert [len(o.token_ids) for o in outs] == [8, 8]

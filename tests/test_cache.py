@@ -16,9 +16,9 @@ from quantmla.quant.formats import bytes_per_token, fake_quantize
 from quantmla.models.tiny import TINY_FAMILIES, tiny_model
 
 FAMILIES = list(TINY_FAMILIES)
-# The models' own attention reads QuantMLACache, and axk1's module writes it as deepseek_v3's does: the BF16 check
-# runs it, the quality checks do not.
-QUALITY_FAMILIES = [f for f in FAMILIES if f != "axk1"]
+# The models' own attention reads QuantMLACache, and axk1's and mistral4's modules write it as deepseek_v3's do:
+# the BF16 check runs them, the quality checks do not.
+QUALITY_FAMILIES = [f for f in FAMILIES if f not in ("axk1", "mistral4")]
 DC, DR = 32, 16  # tiny kv_lora_rank and rope dim (minicpm3: 8); groups of 8 divide both
 
 

@@ -40,8 +40,9 @@ def _in_memory(src, out, dtype):
     return reports
 
 
-@pytest.mark.parametrize("family,shard", [("deepseek_v3", "20KB"), ("longcat_flash", None), ("axk1", None)])
-# axk1: a norm its checkpoints store under another name than the module's
+@pytest.mark.parametrize("family,shard", [("deepseek_v3", "20KB"), ("longcat_flash", None), ("axk1", None),
+                                          ("mistral4", "20KB")])
+# axk1: a norm its checkpoints store under another name than the module's; mistral4: experts stored fused
 def test_streaming_gives_the_in_memory_weights_with_one_layer_resident(family, shard, tmp_path):
     src = tmp_path / "src"
     layers = {"num_layers": 4} if family == "longcat_flash" else {"num_hidden_layers": 5}

@@ -33,7 +33,7 @@ CONFIGS = {
 
 @pytest.fixture(scope="module")
 def models():
-    return {family: tiny_model(family) for family in ("deepseek_v2", "deepseek_v3")}
+    return {family: tiny_model(family) for family in ("deepseek_v2", "deepseek_v3", "mistral4")}
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +60,8 @@ def test_serving_forward_is_token_by_token_cache(models, window, family, name):
     assert (served - plain).abs().amax() > 1e-3  # the quantized keys were seen
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3"])
+# mistral4: queries past position 32 carry its position factor (tests/test_position_factor.py has more)
+@pytest.mark.parametrize("family", ["deepseek_v2", "deepseek_v3", "mistral4"])
 def test_bf16_serving_is_the_plain_forward_and_modules_come_back(models, window, family):
     model = models[family]
     layers = describe(model)

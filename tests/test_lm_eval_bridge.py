@@ -270,3 +270,20 @@ def test_a_tokenizer_not_the_weights_own_is_named():
     with pytest.raises(ValueError, match="the tokenizer does not belong"):
         lm.generate_until([Instance("generate_until", {}, ("\u00e9t\u00e9", {"until": ["\n"], "max_gen_toks": 2}), 0)],
                           disable_tqdm=True)
+
+
+def test_a_mistral4_checkpoint_runs_through_the_bridge(tmp_path):
+    """From its directory (transformers has Mistral4ForCausalLM but no AutoModelForCausalLM entry for it; quantmla
+    registers one), with Mistral 4's query factor past position 32 (the second request reaches 246): method bf16
+    scores as lm-eval's plain model, an INT2 cache otherwise."""
+    path = tmp_path / "m"
+    model, tok = tiny_model("mistral4", vocab_size=260), byte_tokenizer()
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    args = dict(pretrained=str(path), device="cpu", dtype="float32")
+    bf16 = QuantMLALM(method="bf16", **args)
+    assert type(bf16.model).__name__ == "Mistral4ForCausalLM"
+    plain = loglikelihoods(HFLM(pretrained=model, tokenizer=tok))
+    assert loglikelihoods(bf16) == pytest.approx(plain, abs=1e-4)
+    int2 = loglikelihoods(QuantMLALM(method="rtn", content="int2", rope="int2", sink=0, recent=8, **args))
+    assert max(abs(a - b) for a, b in zip(int2, plain)) > 1e-3

@@ -73,6 +73,9 @@ def test_descriptions():
     v3 = by["deepseek_v3"][0]
     assert v3.weight_pairs[1] == (2, 3) and v3.cache_pairs[1] == (1, 1 + v3.rope_dim // 2)
     assert dataclasses.replace(by["axk1"][0], model_type="deepseek_v3") == v3  # V3's attention, always q LoRA
+    mistral4 = by["mistral4"][0]
+    assert (mistral4.query_pos_beta, mistral4.query_pos_max) == (0.5, 32) and mistral4.rope_style == "interleave"
+    assert all(layer.query_pos_beta == 0 for f in FAMILIES if f != "mistral4" for layer in by[f])
 
 
 def test_non_mla_model_is_rejected(tmp_path):
@@ -383,3 +386,21 @@ def test_mla_families_quantmla_does_not_run_are_refused_saying_why(tmp_path, mod
                                                     "quantmla does not support; supported: axk1, deepseek_v2") as e:
         describe(tmp_path)
     assert "\n" not in str(e.value)
+
+
+def test_mistral4_text_checkpoints_load_with_transformers_classes(tmp_path):
+    """transformers 5.19 has Mistral4ForCausalLM but no AutoModelForCausalLM entry for mistral4 (its released
+    checkpoints are multimodal: mistral3 around it, refused by name): a text-only checkpoint loads all the same,
+    as its own class."""
+    from transformers import AutoConfig
+
+    from quantmla.models.tiny import tiny_config
+
+    path = save_tiny_model("mistral4", tmp_path / "m")
+    model = load_model(path)
+    assert type(model).__name__ == "Mistral4ForCausalLM" and len(describe(path)) == 2
+    ids = torch.randint(0, 128, (1, 40))
+    torch.testing.assert_close(model(ids).logits, tiny_model("mistral4")(ids).logits)
+    AutoConfig.for_model("mistral3", text_config=tiny_config("mistral4").to_dict()).save_pretrained(tmp_path / "mm")
+    with pytest.raises(UnsupportedModelError, match="'mistral3'.*wraps a mistral4 language model"):
+        describe(tmp_path / "mm")

@@ -1,7 +1,8 @@
 """A calibrated checkpoint: the transforms fused into the weights, plus a `quantmla` section in config.json.
 
-The result is a plain Hugging Face checkpoint: `AutoModelForCausalLM.from_pretrained` loads it and, with a
-BF16 cache, computes the original model's function (the folds are exact). quantmla reads the section to
+The result is a plain Hugging Face checkpoint: `AutoModelForCausalLM.from_pretrained` loads it (a mistral4 one
+`Mistral4ForCausalLM.from_pretrained`: transformers maps no auto class to it) and, with a BF16 cache, computes
+the original model's function (the folds are exact). quantmla reads the section to
 configure its cache:
     "quantmla": {"method": "quantmla", "content": "int4", "rope": "int4", "sink": 4, "recent": 128,
                  "layers": [["int4c0.9", "int4"], ...],   # only where the chosen formats differ by layer

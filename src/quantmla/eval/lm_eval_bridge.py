@@ -120,6 +120,9 @@ class QuantMLALM(HFLM):
                           None if recent is None else _whole("recent", recent),
                           None if budget is None else float(budget))
         check_method(method, args)  # before the model loads: a bad option costs nothing
+        # Causal: lm-eval guesses it from AutoModelForCausalLM's own table, which lacks mistral4 (quantmla
+        # registers it: `adapters.register_causal_lms`), and warns that the guess may be wrong.
+        kwargs.setdefault("backend", "causal")
         super().__init__(pretrained=pretrained, **kwargs)
         self._model, self.cache_config = apply_method(method, self._model, args)
         self.method = method

@@ -106,6 +106,16 @@ def _minicpm3(config, attn):
     return "half", {}
 
 
+def _mistral4(config, attn):
+    # V3's attention, then the whole query times a factor of its position (get_llama_4_attn_scale).
+    params = config.rope_parameters or {}
+    beta, period = params.get("llama_4_scaling_beta"), params.get("original_max_position_embeddings")
+    if beta is None or not period:
+        raise UnsupportedModelError("a mistral4 config needs rope_parameters' llama_4_scaling_beta and "
+                                    "original_max_position_embeddings (its attention scales queries by them)")
+    return _rope_interleave_flag(config, attn), {"query_pos_beta": float(beta), "query_pos_max": int(period)}
+
+
 FAMILIES = {
     "deepseek_v2": _deepseek_v2,
     "deepseek_v3": _v3_like,  # also Kimi K2
@@ -114,6 +124,7 @@ FAMILIES = {
     "axk1": _v3_like,  # A.X K1
     "longcat_flash": _longcat_flash,
     "minicpm3": _minicpm3,
+    "mistral4": _mistral4,  # Mistral Small 4 (its text model)
 }
 
 # MLA families transformers runs but quantmla does not: why, for the refusal.
@@ -122,6 +133,21 @@ NOT_SUPPORTED = {
     **dict.fromkeys(("deepseek_v32", "glm_moe_dsa", "axk2", "hy_v4", "glm5_next", "glm5_next_text"), _DSA),
     "kimi_linear": "mixes MLA layers with linear-attention (Kimi Delta Attention) layers, whose state is no KV cache",
 }
+
+# Families whose causal-LM class transformers' AutoModelForCausalLM does not map (5.19: mistral4, whose
+# checkpoints are multimodal); `register_causal_lms` adds them, so they load like every other family.
+CAUSAL_LM_CLASSES = {"mistral4": ("Mistral4Config", "Mistral4ForCausalLM")}
+
+
+def register_causal_lms() -> None:
+    """Register `CAUSAL_LM_CLASSES` with AutoModelForCausalLM where transformers does not (idempotent)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    for model_type, (config_class, model_class) in CAUSAL_LM_CLASSES.items():
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+            transformers.AutoModelForCausalLM.register(getattr(transformers, config_class),
+                                                       getattr(transformers, model_class), exist_ok=True)
 
 
 def _text_config(model: nn.Module):
@@ -259,8 +285,9 @@ def load_config(path: str | Path):
     of the checkpoint runs; a checkpoint quantmla saves from it is of the family's model_type)."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    register_causal_lms()
     path = check_checkpoint_dir(path)
     raw = read_config_json(path)
     declared = raw.get("model_type")
@@ -280,7 +307,7 @@ def load_config(path: str | Path):
         raise _unsupported(getattr(text, "model_type", None), path)
     # An MLA text model inside a multimodal one (Kimi K2.5: deepseek_v3 under kimi_k25) has no causal-LM class
     # in transformers: say so here rather than let AutoModelForCausalLM list every class it knows.
-    if config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
         raise UnsupportedModelError(f"model_type {config.model_type!r} in {path} wraps a {text.model_type} language "
                                     "model in a model transformers does not run as a causal LM (multimodal?); "
                                     "quantmla reads text-only checkpoints")

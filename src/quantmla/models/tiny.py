@@ -2,15 +2,18 @@
 
 Tests and demos use them since no machine here reaches a model hub. Dims are small but keep every feature
 of the family: the q path (q_proj vs q_a/q_b), the RoPE layout, LongCat's two attentions per layer and its
-latent scales, MiniCPM3's rank/rope ratio.
+latent scales, MiniCPM3's rank/rope ratio, Mistral 4's position-dependent query factor (crossed at position 32).
 """
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
+
+from quantmla.models.adapters import register_causal_lms
 
 # (family name, model_type, config overrides). Family names are what tests are parametrized over.
 _COMMON = dict(
@@ -41,6 +44,13 @@ TINY_FAMILIES: dict[str, tuple[str, dict]] = {
                             rope_interleave=True, bos_token_id=1, eos_token_id=2)),  # its defaults exceed 128
     "axk1": ("axk1", dict(_COMMON, **_MOE_OFF, num_hidden_layers=2, first_k_dense_replace=1, q_lora_rank=24,
                           bos_token_id=1, eos_token_id=2)),
+    # The query factor 1 + beta * log(1 + floor(pos / 32)) is 1 below position 32 and 1.35 from 32 to 63:
+    # windows of a few dozen tokens cross it (the real model's is 1 up to 8192).
+    "mistral4": ("mistral4", dict(_COMMON, **_MOE_OFF, num_hidden_layers=2, first_k_dense_replace=1,
+                                  q_lora_rank=24, rope_parameters=dict(
+                                      rope_type="yarn", rope_theta=10000.0, factor=16.0,
+                                      original_max_position_embeddings=32, beta_fast=32.0, beta_slow=1.0,
+                                      mscale=1.0, mscale_all_dim=1.0, llama_4_scaling_beta=0.5))),
 }
 
 
@@ -48,7 +58,7 @@ def tiny_config(family: str, **overrides):
     if family not in TINY_FAMILIES:
         raise ValueError(f"no tiny model for {family!r}; known: {', '.join(TINY_FAMILIES)}")
     model_type, kw = TINY_FAMILIES[family]
-    kw = {**kw, **overrides}
+    kw = copy.deepcopy({**kw, **overrides})  # config classes may fill in nested dicts (Mistral 4's rope_parameters)
     if model_type == "longcat_flash" and "head_dim" not in overrides:
         # LongCat's rotary embedding takes its width from head_dim (its checkpoints set it to qk_rope_head_dim):
         # a fixed head_dim made every other qk_rope_head_dim fail in the forward with a shape error.
@@ -58,6 +68,7 @@ def tiny_config(family: str, **overrides):
 
 def tiny_model(family: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
     """A randomly initialised tiny model of `family`, in eval mode, eager attention (exact fp32 math)."""
+    register_causal_lms()
     torch.manual_seed(seed)
     config = tiny_config(family, **overrides)
     config._attn_implementation = "eager"
