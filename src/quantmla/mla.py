@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quantmla.models.adapters import MLALayer, query_weight
+from quantmla.models.adapters import MLALayer
 
 
 def apply_rope(x: torch.Tensor, position_embeddings, layer: MLALayer) -> torch.Tensor:
