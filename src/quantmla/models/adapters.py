@@ -145,9 +145,9 @@ def register_causal_lms() -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     for model_type, (config_class, model_class) in CAUSAL_LM_CLASSES.items():
-        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-            transformers.AutoModelForCausalLM.register(getattr(transformers, config_class),
-                                                       getattr(transformers, model_class), exist_ok=True)
+        config_cls, model_cls = getattr(transformers, config_class, None), getattr(transformers, model_class, None)
+        if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config_cls and model_cls:  # (a release without
+            transformers.AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)  # them refuses the type)
 
 
 def _text_config(model: nn.Module):
