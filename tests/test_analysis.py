@@ -331,7 +331,7 @@ def test_calibration_table_keeps_long_formats_whole_at_80_columns():
 
 
 @pytest.mark.parametrize("family", ["axk1", "mistral4"])
-def test_every_command_runs_on_a_checkpoint_of_the_newest_families(family, tmp_path):
+def test_every_command_runs_on_a_checkpoint_of_the_newest_families(family, tmp_path, capsys):
     """An A.X K1 or (text-only) Mistral 4 checkpoint, read from its directory with transformers' own classes:
     info, analyze, calibrate, eval of the calibrated checkpoint, and the engine serving it."""
     from quantmla.engine import LLM, SamplingParams
@@ -340,6 +340,8 @@ def test_every_command_runs_on_a_checkpoint_of_the_newest_families(family, tmp_p
     assert main(["info", str(src), "--json", str(tmp_path / "info.json")]) == 0
     layers = json.loads((tmp_path / "info.json").read_text())["layers"]
     assert [row["rope_style"] for row in layers] == ["interleave"] * 2
+    factor = "queries x (1 + 0.5 ln(1 + floor(position / 32)))"  # the tiny mistral4's, in info's caption
+    assert (factor in " ".join(capsys.readouterr().out.split())) == (family == "mistral4")
     assert main(["analyze", str(src), "--length", "64", "--samples", "2", "--sink", "2", "--recent", "8"]) == 0
     out = tmp_path / "cal"
     assert main(["calibrate", str(src), "--samples", "4", "--length", "80", "--recent", "16", "--steps", "1",

@@ -138,7 +138,9 @@ def layers_table(name: str, layers) -> Table:
     shared = {k: runs[0][2][k] for k in ("module", "pair j=1") if len({r[2][k] for r in runs}) == 1}
     caption = "; ".join(([f"modules {shared['module']}"] if "module" in shared else []) +
                         ([f"RoPE pair j=1: weight rows -> cache coordinates {shared['pair j=1']}"]
-                         if "pair j=1" in shared else []))
+                         if "pair j=1" in shared else []) +
+                        ([f"queries x (1 + {layers[0].query_pos_beta:g} ln(1 + floor(position / "
+                          f"{layers[0].query_pos_max})))"] if layers[0].query_pos_beta else []))
     table = Table(title=f"MLA layers of {name} ({layers[0].model_type}, {len(layers)} attentions)",
                   caption=caption or None, box=box.SIMPLE_HEAD)
     cols = [k for k in runs[0][2] if k not in shared]
