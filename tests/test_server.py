@@ -291,6 +291,27 @@ def test_stop_string_trims_and_frees_the_request(served, streaming):
     assert finished == {"stop": 1, "abort": 0}  # /metrics counts it as the client saw it
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_stop_string_on_the_last_allowed_token_counts_as_stop(served, streaming):
+    """The engine ends the request for its length on the very step whose token completes a stop string: the
+    client gets "stop", and /metrics counts "stop", not the engine's "length"."""
+    p = PROMPTS[0]
+    want, tok = served.expected[p], served.llm.tokenizer
+    stop = want.text[len(want.text) // 2:][:2]
+    n = next(n for n in range(1, len(want.token_ids) + 1) if stop in tok.decode(want.token_ids[:n]))
+    body = {"prompt": p, "max_tokens": n, "temperature": 0, "stop": [stop]}
+    before = served.wait_idle()
+    if streaming:
+        events = stream(served.client, "/v1/completions", body)
+        reason = events[-1]["choices"][0]["finish_reason"]
+    else:
+        reason = served.client.post("/v1/completions", json=body).json()["choices"][0]["finish_reason"]
+    after = served.wait_idle()
+    assert reason == "stop" and after["tokens_generated"] - before["tokens_generated"] == n  # the engine ran out
+    finished = {r: after["finished"].get(r, 0) - before["finished"].get(r, 0) for r in ("stop", "length", "abort")}
+    assert finished == {"stop": 1, "length": 0, "abort": 0}
+
+
 # --------------------------------------------------------------------------------------------- detokenization
 def feed(stream_: TextStream, ids: list[int]) -> list[str]:
     return [stream_.push([t], final=i == len(ids) - 1) for i, t in enumerate(ids)]

@@ -65,12 +65,6 @@ class _Add:
     accepted: concurrent.futures.Future  # the request id, or the exception add_request raised
 
 
-@dataclass
-class _Abort:
-    request_id: str
-    reason: str = "abort"  # how /metrics counts it: "stop" for a stop string the server matched
-
-
 _STOP = object()
 _DRAIN = object()
 
@@ -83,8 +77,9 @@ class EngineLoop:
     """The one thread that touches the LLM.
 
     `submit` adds a request and returns the asyncio queue its StepOutputs arrive on (an Exception instead
-    if the engine fails); `abort` frees a request's pages (unknown or finished ids are ignored); `stats` is
-    the engine's stats as of the last step or command, plus the server's own counters, safe from any thread.
+    if the engine fails); `abort` frees a request's pages (unknown or finished ids are ignored); `count_finished`
+    counts a request's end as its client saw it; `stats` is the engine's stats as of the last step or command,
+    plus those counts and the output rate, safe from any thread.
     """
 
     def __init__(self, llm):
@@ -94,7 +89,7 @@ class EngineLoop:
         self._lock = threading.Lock()  # guards the three below, written by the engine thread
         self._stats = dict(llm.stats())
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of each step in the rate window
-        self._finished: Counter[str] = Counter()  # finished requests by reason; server aborts count as "abort"
+        self._finished: Counter[str] = Counter()  # ended requests by the finish_reason their client got
         self._started = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="quantmla-engine", daemon=True)
 
@@ -128,8 +123,12 @@ class EngineLoop:
             raise
         return outputs
 
-    def abort(self, request_id: str, reason: str = "abort") -> None:
-        self._commands.put(_Abort(request_id, reason))
+    def abort(self, request_id: str) -> None:
+        self._commands.put(request_id)
+
+    def count_finished(self, reason: str) -> None:
+        with self._lock:
+            self._finished[reason] += 1
 
     def stats(self) -> dict:
         now = time.monotonic()
@@ -164,7 +163,7 @@ class EngineLoop:
                     if cmd is _STOP:
                         return
                     continue
-                self._add(cmd) if isinstance(cmd, _Add) else self._abort(cmd.request_id, cmd.reason)
+                self._add(cmd) if isinstance(cmd, _Add) else self._abort(cmd)
             if self.llm.has_unfinished():
                 self._step()
             self._publish()
@@ -180,11 +179,9 @@ class EngineLoop:
         self._sinks[cmd.request_id] = (cmd.loop, cmd.outputs)
         cmd.accepted.set_result(cmd.request_id)
 
-    def _abort(self, request_id: str, reason: str = "abort") -> None:
+    def _abort(self, request_id: str) -> None:
         self.llm.abort(request_id)
-        if self._sinks.pop(request_id, None) is not None:
-            with self._lock:
-                self._finished[reason] += 1
+        self._sinks.pop(request_id, None)
 
     def _step(self) -> None:
         try:
@@ -197,9 +194,8 @@ class EngineLoop:
         for out in outs:
             tokens += len(out.new_token_ids)
             self._deliver(out.request_id, out)
-            if out.finished and self._sinks.pop(out.request_id, None) is not None:
-                with self._lock:
-                    self._finished[out.finish_reason] += 1
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
         now = time.monotonic()
         with self._lock:
             self._recent.append((now, tokens))
@@ -476,6 +472,7 @@ class _Job:
     prompt_tokens: int
     outputs: asyncio.Queue
     text: TextStream
+    counted: bool = False  # its end is in /metrics' finished requests
 
 
 class Server:
@@ -545,6 +542,13 @@ class Server:
     def abort_all(self, jobs: list[_Job]) -> None:
         for job in jobs:
             self.engine.abort(job.request_id)
+            self.count_finished(job, "abort")
+
+    def count_finished(self, job: _Job, reason: str) -> None:
+        """Count a job's end once, by the finish_reason its client got ("abort": it got none)."""
+        if not job.counted:
+            job.counted = True
+            self.engine.count_finished(reason)
 
     async def merged(self, jobs: list[_Job], request: Request) -> AsyncIterator[tuple[int, Chunk]]:
         """(index, chunk) of each job's `chunks` as they come. An exception from any job ends the whole with
@@ -579,7 +583,7 @@ class Server:
     async def chunks(self, job: _Job, request: Request) -> AsyncIterator[Chunk]:
         """The output of an accepted request, piece by piece. Aborts it in the engine when it stops early
         (a stop string, the client going away, cancellation), so its pages are freed at once."""
-        engine_done, next_check = False, time.monotonic() + DISCONNECT_POLL_S
+        engine_done, sent, next_check = False, None, time.monotonic() + DISCONNECT_POLL_S
         try:
             while True:
                 try:
@@ -606,10 +610,12 @@ class Server:
                 if delta or reason:
                     yield Chunk(delta, reason)
                 if reason:
+                    sent = reason
                     return
         finally:
             if not engine_done:
-                self.engine.abort(job.request_id, "stop" if job.text.stopped else "abort")
+                self.engine.abort(job.request_id)
+            self.count_finished(job, sent or "abort")
 
     def usage(self, jobs: list[_Job]) -> dict:
         prompt = sum(job.prompt_tokens for job in jobs)
