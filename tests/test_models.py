@@ -308,16 +308,6 @@ def test_calibrate_refuses_a_quantized_checkpoint_before_any_work(tmp_path, caps
         assert not (tmp_path / "o").exists()
 
 
-def test_a_multimodal_model_around_an_mla_text_model_is_refused_by_name(tmp_path):
-    """Kimi K2.5 (kimi_k25) wraps a deepseek_v3 text model; transformers has no causal LM for it, and
-    AutoModelForCausalLM's error listed every class it knows. quantmla names the model_type instead."""
-    from transformers import AutoConfig
-
-    AutoConfig.for_model("kimi_k25", text_config=tiny_model("deepseek_v3").config.to_dict()).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedModelError, match="'kimi_k25'.*wraps a deepseek_v3 language model"):
-        describe(tmp_path)
-
-
 def test_a_tokenizer_past_the_models_vocabulary_is_a_clear_error(tmp_path, capsys):
     """A checkpoint whose tokenizer gives ids its embedding does not have (here the shipped byte-level
     tokenizer, 259 ids, beside a 64-token model) failed in the forward with 'index out of range in self'."""
@@ -390,17 +380,10 @@ def test_mla_families_quantmla_does_not_run_are_refused_saying_why(tmp_path, mod
 
 def test_mistral4_text_checkpoints_load_with_transformers_classes(tmp_path):
     """transformers 5.19 has Mistral4ForCausalLM but no AutoModelForCausalLM entry for mistral4 (its released
-    checkpoints are multimodal: mistral3 around it, refused by name): a text-only checkpoint loads all the same,
-    as its own class."""
-    from transformers import AutoConfig
-
-    from quantmla.models.tiny import tiny_config
-
+    checkpoints are multimodal, mistral3 around it: tests/test_multimodal.py): a text-only checkpoint loads all
+    the same, as its own class."""
     path = save_tiny_model("mistral4", tmp_path / "m")
     model = load_model(path)
     assert type(model).__name__ == "Mistral4ForCausalLM" and len(describe(path)) == 2
     ids = torch.randint(0, 128, (1, 40))
     torch.testing.assert_close(model(ids).logits, tiny_model("mistral4")(ids).logits)
-    AutoConfig.for_model("mistral3", text_config=tiny_config("mistral4").to_dict()).save_pretrained(tmp_path / "mm")
-    with pytest.raises(UnsupportedModelError, match="'mistral3'.*wraps a mistral4 language model"):
-        describe(tmp_path / "mm")

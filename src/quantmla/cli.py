@@ -316,7 +316,7 @@ def cmd_calibrate(args) -> None:
     from quantmla.config import CacheConfig
     from quantmla.data import encode, read_text, resolve_model_dir, token_windows, tokenizer_for
     from quantmla.models import describe, load_model
-    from quantmla.models.adapters import check_unquantized
+    from quantmla.models.adapters import check_unquantized, multimodal
     from quantmla.calibrate.export import quantmla_section
 
     model_dir = resolve_model_dir(args.model)
@@ -410,6 +410,10 @@ def cmd_calibrate(args) -> None:
     else:
         out = save_calibrated(model, out_dir, cfg, calibration, reports, model_dir, dtype)
     console.print(f"wrote calibrated checkpoint to {out} (weights in {str(dtype).replace('torch.', '')})")
+    if (mm := multimodal(model_dir)) is not None:
+        console.print(f"note: {model_dir} is a multimodal {mm.config.model_type} checkpoint; {out} holds its "
+                      f"{mm.text.model_type} language model alone, a text-only checkpoint "
+                      f"({mm.text.architectures[0]}, no vision tower)", soft_wrap=True)
 
 
 # ---------------------------------------------------------------- eval

@@ -14,7 +14,9 @@ so resident weights are the non-layer tensors plus one decoder layer (`Streaming
 while activations stay those of one layer as in the in-memory path. The output is a sharded Hugging Face
 checkpoint with the same tensor names as the source (MoE experts stay per-expert as in the checkpoint:
 the folds never touch them, so they are copied through, cast to the output dtype) and the same `quantmla`
-config section as `export.save_calibrated` writes; its weights equal the in-memory path's.
+config section as `export.save_calibrated` writes; its weights equal the in-memory path's. Of a multimodal
+checkpoint (`adapters.Multimodal`) only the language model is read, and written under the text causal LM's
+names: the output is a text-only checkpoint of the text family, as the in-memory path writes.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ from quantmla.calibrate.space import SearchSpace
 from quantmla.calibrate.export import (clear_checkpoint, finish_checkpoint, mark_calibrated, source_dtype,
                                       stored_dtype)
 from quantmla.config import CacheConfig
-from quantmla.models.adapters import check_checkpoint_dir, check_safetensors, describe, load_config
+from quantmla.models.adapters import (check_checkpoint_dir, check_safetensors, describe, load_config, multimodal,
+                                      renaming)
 
 _EXPERT = re.compile(r"^(?P<pre>.*mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -57,6 +60,14 @@ class ShardReader:
             raise FileNotFoundError(f"{self.dir} has neither model.safetensors.index.json nor model.safetensors "
                                     "(streaming calibration reads safetensors only)")
 
+        self.stored: dict[str, str] = {}  # name -> the name it is stored under, where `rename`d
+
+    def rename(self, names: dict[str, str]) -> None:
+        """Read only the tensors `names` maps (stored name -> name), under their new names: a multimodal
+        checkpoint's language model, under the causal LM's names (`Multimodal.text_names`)."""
+        self.stored = {new: old for old, new in names.items()}
+        self.weight_map = {new: self.weight_map[old] for old, new in names.items()}
+
     def keys_under(self, prefix: str) -> list[str]:
         return [k for k in self.weight_map if k.startswith(prefix)]
 
@@ -69,21 +80,24 @@ class ShardReader:
         for name, ks in by_file.items():
             with safe_open(self.dir / name, "pt") as f:
                 for k in ks:
-                    out[k] = f.get_tensor(k)
+                    out[k] = f.get_tensor(self.stored.get(k, k))
         return out
 
     @property
     def total_bytes(self) -> int:
+        """The bytes of the tensors this reader reads (all of the checkpoint's, unless `rename`d)."""
+        by_file: dict[str, list[str]] = {}
+        for k, name in self.weight_map.items():
+            by_file.setdefault(name, []).append(self.stored.get(k, k))
         total = 0
-        for name in set(self.weight_map.values()):
+        for name, ks in by_file.items():
             with safe_open(self.dir / name, "pt") as f:
-                for k in f.keys():
-                    if self.weight_map.get(k) == name:
-                        sl = f.get_slice(k)
-                        n = 1
-                        for d in sl.get_shape():
-                            n *= d
-                        total += n * _itemsize(sl.get_dtype())
+                for k in ks:
+                    sl = f.get_slice(k)
+                    n = 1
+                    for d in sl.get_shape():
+                        n *= d
+                    total += n * _itemsize(sl.get_dtype())
         return total
 
 
@@ -117,22 +131,6 @@ def skeleton(model_dir: str | Path, dtype: torch.dtype = torch.float32):
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     return model.eval()
-
-
-def renaming(model: nn.Module):
-    """checkpoint name -> module name under the renamings transformers' loader applies to this model (A.X K1
-    stores its mlp.post_mlp_layernorm as post_mlp_layernorm); names relative to a decoder layer work alike."""
-    from transformers.conversion_mapping import get_model_conversion_mapping
-    from transformers.core_model_loading import WeightRenaming
-
-    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
-
-    def rename(key: str) -> str:
-        for t in renamings:
-            key = t.rename_source_key(key)[0]
-        return key
-
-    return rename
 
 
 def _to_model_names(tensors: dict[str, torch.Tensor], rename) -> dict[str, torch.Tensor]:
@@ -172,7 +170,7 @@ class StreamingResult:
     reports: list
     out_dir: Path
     peak_weight_bytes: int  # most weight/buffer bytes resident at once (model tensors, not activations)
-    checkpoint_bytes: int  # all tensors of the source checkpoint
+    checkpoint_bytes: int  # the source checkpoint's tensors it reads (a multimodal one's: its language model's)
 
 
 def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: torch.Tensor, cfg: CacheConfig,
@@ -186,6 +184,8 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     """
     model_dir, out_dir = check_checkpoint_dir(model_dir), Path(out_dir)
     reader = ShardReader(model_dir)
+    if (mm := multimodal(model_dir)) is not None:  # its language model alone, written under the causal LM's names
+        reader.rename(mm.text_names(reader.weight_map))
     compute = torch.float32
     model = skeleton(model_dir, compute)
     if dtype is None:

@@ -14,8 +14,12 @@ RoPE styles (pairs are index pairs inside the rope part, of width d):
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import json
 import math
+import re
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -248,7 +252,10 @@ def check_unquantized(path: str | Path) -> None:
     a command that folds transforms into the weights and writes them: on a CPU transformers dequantizes
     such a checkpoint on load, but cannot save the folded weights back in its format (it fails at the very
     end, after the whole calibration)."""
-    quant = read_config_json(path).get("quantization_config")
+    raw = read_config_json(path)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    # a multimodal checkpoint's may sit in its language model's config (Kimi K2.5's INT4 experts)
+    quant = raw.get("quantization_config") or text.get("quantization_config")
     if quant:
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise ValueError(f"{path} holds quantized weights (quantization_config, quant_method {method!r}); "
@@ -282,10 +289,22 @@ def _invalid_settings_named(path: Path):
 def load_config(path: str | Path):
     """The transformers config of a local MLA checkpoint directory; refuses any other model by its model_type.
     An `ALIASES` model_type gets its family's config class (without the checkpoint's `auto_map`, so no code
-    of the checkpoint runs; a checkpoint quantmla saves from it is of the family's model_type)."""
+    of the checkpoint runs; a checkpoint quantmla saves from it is of the family's model_type). A multimodal
+    checkpoint around an MLA language model gets its language model's config (`Multimodal`)."""
+    return _configs(path)[0]
+
+
+def multimodal(path: str | Path) -> Multimodal | None:
+    """The `Multimodal` view of a checkpoint whose MLA language model sits inside a multimodal model, else None."""
+    return _configs(path)[1]
+
+
+def _configs(path: str | Path):
+    """(the config quantmla runs, `Multimodal` or None) of a checkpoint directory; see `load_config`."""
     from transformers import AutoConfig
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING,
+                                                        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING)
 
     register_causal_lms()
     path = check_checkpoint_dir(path)
@@ -295,7 +314,7 @@ def load_config(path: str | Path):
         family = ALIASES[declared][0]
         fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
         with _invalid_settings_named(path):
-            return CONFIG_MAPPING[family].from_dict(fields)
+            return CONFIG_MAPPING[family].from_dict(fields), None
     # A model_type transformers has no class for needs the checkpoint's own code, which quantmla never runs
     # (transformers would ask for trust_remote_code, or prompt on a terminal): refuse it here, by name.
     if isinstance(declared, str) and declared not in CONFIG_MAPPING:
@@ -305,13 +324,88 @@ def load_config(path: str | Path):
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if getattr(text, "model_type", None) not in FAMILIES:
         raise _unsupported(getattr(text, "model_type", None), path)
-    # An MLA text model inside a multimodal one (Kimi K2.5: deepseek_v3 under kimi_k25) has no causal-LM class
-    # in transformers: say so here rather than let AutoModelForCausalLM list every class it knows.
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
-        raise UnsupportedModelError(f"model_type {config.model_type!r} in {path} wraps a {text.model_type} language "
-                                    "model in a model transformers does not run as a causal LM (multimodal?); "
-                                    "quantmla reads text-only checkpoints")
-    return config
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return config, None
+    if text is not config and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+        mm = Multimodal(path, config)
+        return mm.text, mm
+    # Anything else around an MLA text model: say so here rather than let AutoModelForCausalLM list every class
+    # it knows.
+    raise UnsupportedModelError(f"model_type {config.model_type!r} in {path} wraps a {text.model_type} language "
+                                "model in a model transformers runs neither as a causal LM nor as an image-text "
+                                "model; quantmla reads neither")
+
+
+class Multimodal:
+    """A multimodal checkpoint (transformers runs it as an image-text-to-text model) around an MLA language model:
+    Mistral Small 4 (mistral3 around mistral4), Kimi K2.5 (kimi_k25 around deepseek_v3). quantmla reads its
+    language model alone, as a text-only causal LM of the text family (`text`, e.g. Mistral4ForCausalLM); the
+    vision tower and projector are not read, and what quantmla writes from it is a text-only checkpoint.
+
+    Its text weights are found by transformers' own names: the checkpoint's names are renamed as transformers'
+    loader renames them for the multimodal class (an older layout, `language_model.model.layers.0...`, to the
+    one transformers 5 saves, `model.language_model.layers.0...`), then moved from where that class keeps its
+    language model and head (`get_decoder`, `get_output_embeddings`) to where the causal LM keeps them.
+    """
+
+    def __init__(self, path: Path, config):
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+        self.path, self.config = Path(path), config
+        text = copy.deepcopy(config.get_text_config(decoder=True))
+        # transformers' multimodal class ties its head to the embeddings by its own flag, not the text config's:
+        # the text model computes what it computes.
+        text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        text.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(text)].__name__]
+        self.text = text
+
+    def text_names(self, stored) -> dict[str, str]:
+        """checkpoint name -> the causal LM's name, for each of the `stored` names that is a weight of the
+        language model (the others, vision tower and projector, are left out); refuses a checkpoint without any."""
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+        with torch.device("meta"):
+            whole = AutoModelForImageTextToText.from_config(self.config)
+            lm = AutoModelForCausalLM.from_config(self.text)
+        place = {id(m): n for n, m in whole.named_modules()}
+        text_place = {id(m): n for n, m in lm.named_modules()}
+        moves = {place[id(part(whole))] + ".": text_place[id(part(lm))] + "."
+                 for part in (lambda m: m.get_decoder(), lambda m: m.get_output_embeddings())}
+        rename = renaming(whole)
+        names = {}
+        for key in stored:
+            name = rename(key)
+            for src, dst in moves.items():
+                if name.startswith(src):
+                    names[key] = dst + name[len(src):]
+        if not names:
+            raise ValueError(f"{self.path}: no weight of its {self.text.model_type} language model found (looked for "
+                             f"names under {', '.join(m[:-1] for m in moves)}, as transformers' "
+                             f"{type(whole).__name__} has them, "
+                             "or names its loader renames to them)")
+        return names
+
+    @staticmethod
+    def key_mapping(names: dict[str, str]) -> dict[str, str]:
+        """`text_names`' result as from_pretrained's `key_mapping` (regex -> replacement, applied in turn): one
+        entry per prefix the renaming replaces, e.g. {'^model\\.language_model\\.': 'model.'}."""
+        pairs = set()
+        for key, name in names.items():
+            a, b = key.split("."), name.split(".")
+            same = 0  # the dotted tail both names share
+            while same < min(len(a), len(b)) and a[len(a) - 1 - same] == b[len(b) - 1 - same]:
+                same += 1
+            if a != b:
+                pairs.add((".".join(a[: len(a) - same]), ".".join(b[: len(b) - same])))
+        mapping = {"^" + re.escape(src + "."): dst + "." if dst else ""
+                   for src, dst in sorted(pairs, key=lambda p: -len(p[0]))}
+        for key, name in names.items():  # the loader chains them: check it reaches each name
+            got = key
+            for pattern, replacement in mapping.items():
+                got = re.sub(pattern, replacement, got, count=1)
+            if got != name:
+                raise AssertionError(f"key_mapping takes {key} to {got}, not {name}")
+        return mapping
 
 
 def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool = False, attn: str = "eager"):
@@ -321,7 +415,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
     """
     from transformers import AutoModelForCausalLM
 
-    config = load_config(path)
+    config, mm = _configs(path)
     path = Path(path)
     if meta:
         with torch.device("meta"):
@@ -336,11 +430,23 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
                                 "model.safetensors.index.json that maps tensors to them: a write or copy cut short? "
                                 "copy or write the checkpoint again")
     check_safetensors(sorted(path.glob("*.safetensors")))
+    extra, quiet = {}, contextlib.nullcontext()
+    if mm is not None:  # the language model's weights, under the causal LM's names; the vision ones unexpected
+        stored = stored_names(path)
+        names = mm.text_names(stored)
+        extra["key_mapping"], quiet = mm.key_mapping(names), _without_load_report()
     # ignore_mismatched_sizes: a weight of another shape than config.json describes is then reported in `info`
     # (and refused below, by name) instead of raised as transformers' multi-line loading report.
-    model, info = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True,
-                                                       attn_implementation=attn, output_loading_info=True,
-                                                       ignore_mismatched_sizes=True)
+    with quiet:
+        model, info = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, local_files_only=True,
+                                                           attn_implementation=attn, output_loading_info=True,
+                                                           ignore_mismatched_sizes=True, **extra)
+    if mm is not None:  # save_pretrained reverts the renamings a model was loaded with: not to multimodal names
+        from transformers.core_model_loading import WeightRenaming
+
+        ours = set(extra["key_mapping"])
+        model._weight_conversions = [t for t in getattr(model, "_weight_conversions", None) or ()
+                                     if not (isinstance(t, WeightRenaming) and set(t.source_patterns) <= ours)]
     # transformers fills a weight the files lack with random values and only logs it: refuse instead.
     if info.get("missing_keys"):
         names = sorted(str(k) for k in info["missing_keys"])
@@ -350,7 +456,65 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
         name, found, wanted = sorted(info["mismatched_keys"])[0]  # (name, checkpoint shape, model shape)
         raise ValueError(f"{path}: {len(info['mismatched_keys'])} weight(s) of another shape than config.json "
                          f"describes, e.g. {name}: {list(found)} in the checkpoint, {list(wanted)} in the model")
+    if mm is not None:  # what transformers' report (left out) said beyond the vision weights
+        unread = sorted(set(map(str, info.get("unexpected_keys") or ())) - (set(stored) - set(names)))
+        if unread:
+            warnings.warn(f"{path}: {len(unread)} tensor(s) of the language model that {type(model).__name__} does "
+                          f"not have, not read, e.g. {unread[0]}", stacklevel=2)
     return model.eval()
+
+
+@contextmanager
+def _without_load_report():
+    """transformers logs a table of the checkpoint's tensors its model lacks: for a multimodal checkpoint, every
+    vision weight. Leave it out (load_model refuses missing and misshapen weights, and warns of others itself)."""
+    import logging
+
+    log = logging.getLogger("transformers.modeling_utils")
+
+    def keep(record) -> bool:
+        return "LOAD REPORT" not in record.getMessage()
+
+    log.addFilter(keep)
+    try:
+        yield
+    finally:
+        log.removeFilter(keep)
+
+
+def stored_names(path: str | Path) -> list[str]:
+    """The names of the tensors a checkpoint directory stores: its model.safetensors.index.json's, else those in the
+    headers of its *.safetensors files (multimodal checkpoints are read from safetensors only)."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return list(json.loads(index.read_text())["weight_map"])
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors files (a multimodal checkpoint is read from those only)")
+    names = []
+    for file in files:
+        with safe_open(file, "pt") as f:
+            names += list(f.keys())
+    return names
+
+
+def renaming(model: nn.Module):
+    """checkpoint name -> module name under the renamings transformers' loader applies to this model (A.X K1
+    stores its mlp.post_mlp_layernorm as post_mlp_layernorm); names relative to a decoder layer work alike."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming
+
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+
+    def rename(key: str) -> str:
+        for t in renamings:
+            key = t.rename_source_key(key)[0]
+        return key
+
+    return rename
 
 
 def check_safetensors(files) -> None:
