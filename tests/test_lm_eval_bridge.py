@@ -287,3 +287,19 @@ def test_a_mistral4_checkpoint_runs_through_the_bridge(tmp_path):
     assert loglikelihoods(bf16) == pytest.approx(plain, abs=1e-4)
     int2 = loglikelihoods(QuantMLALM(method="rtn", content="int2", rope="int2", sink=0, recent=8, **args))
     assert max(abs(a - b) for a, b in zip(int2, plain)) > 1e-3
+
+
+def test_a_multimodal_checkpoint_runs_through_the_bridge_as_its_language_model(tmp_path):
+    """Kimi K2.5's layout (kimi_k25 around deepseek_v3, language_model.model.layers...): lm-eval's loader read it
+    as a causal LM it is not; the bridge reads its language model, as quantmla's own loader does."""
+    from test_multimodal import _multimodal_model, _save
+
+    from quantmla.models import load_model
+
+    path = _save(_multimodal_model("kimi_k25", vocab_size=260), tmp_path / "m")
+    tok = byte_tokenizer()
+    tok.save_pretrained(path)
+    lm = QuantMLALM(pretrained=str(path), method="bf16", device="cpu", dtype="float32")
+    assert type(lm.model).__name__ == "DeepseekV3ForCausalLM"
+    assert loglikelihoods(lm) == pytest.approx(loglikelihoods(HFLM(pretrained=load_model(path), tokenizer=tok)),
+                                               abs=1e-5)

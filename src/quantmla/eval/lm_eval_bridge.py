@@ -50,7 +50,8 @@ from quantmla.calibrate.export import SECTION, quantmla_section
 from quantmla.data import check_token_ids, default_model_dir, tokenizer_for
 from quantmla.eval.methods import MethodArgs, apply_method, check_method
 from quantmla.eval.serving import served_prefill, serving
-from quantmla.models.adapters import ALIASES, cache_kwargs, check_checkpoint_dir, load_config, read_config_json
+from quantmla.models.adapters import (ALIASES, cache_kwargs, check_checkpoint_dir, load_config, multimodal,
+                                      read_config_json, stored_names)
 
 OPTIONS = ("pretrained", "method", "content", "rope", "sink", "recent", "budget")
 
@@ -85,10 +86,11 @@ def _check_checkpoint(path: str, tokenizer) -> None:
                          "save the model's tokenizer there, or name one with model_args tokenizer=PATH")
 
 
-def _aliased(pretrained) -> bool:
-    """Whether `pretrained` is a checkpoint directory of an `ALIASES` model_type."""
+def _own_config(pretrained) -> bool:
+    """Whether `pretrained` is a checkpoint directory quantmla reads with a config of its choosing (`load_config`):
+    an `ALIASES` model_type, or a multimodal checkpoint read as its language model (`adapters.Multimodal`)."""
     return (isinstance(pretrained, str) and (Path(pretrained) / "config.json").is_file()
-            and read_config_json(pretrained).get("model_type") in ALIASES)
+            and (read_config_json(pretrained).get("model_type") in ALIASES or multimodal(pretrained) is not None))
 
 
 def _calibrated(pretrained) -> bool:
@@ -128,20 +130,23 @@ class QuantMLALM(HFLM):
         self.method = method
 
     # A checkpoint of an aliased model_type (Kimi K2's kimi_k2, `adapters.ALIASES`) names code of its own, which
-    # lm-eval's loaders refuse to run (trust_remote_code): read it with its family's classes, as quantmla does.
+    # lm-eval's loaders refuse to run (trust_remote_code): read it with its family's classes, as quantmla does;
+    # a multimodal one (Kimi K2.5, Mistral Small 4) as its language model, whose weights `key_mapping` names.
     def _get_config(self, pretrained, **kwargs) -> None:
-        if not _aliased(pretrained):
+        if not _own_config(pretrained):
             return super()._get_config(pretrained, **kwargs)
         self._config = load_config(pretrained)
 
     def _create_tokenizer(self, pretrained, tokenizer, **kwargs) -> None:
-        if tokenizer is None and _aliased(pretrained):
+        if tokenizer is None and _own_config(pretrained):
             tokenizer = tokenizer_for(pretrained)
         super()._create_tokenizer(pretrained, tokenizer, **kwargs)
 
     def _create_model(self, pretrained, **kwargs) -> None:
-        if _aliased(pretrained):
+        if _own_config(pretrained):
             kwargs["config"] = self._config
+            if (mm := multimodal(pretrained)) is not None:
+                kwargs["key_mapping"] = mm.key_mapping(mm.text_names(stored_names(pretrained)))
         super()._create_model(pretrained, **kwargs)
 
     # A tokenizer that is not the weights' own (model_args tokenizer=...) gives ids past the vocabulary, which
