@@ -146,12 +146,14 @@ CAUSAL_LM_CLASSES = {"mistral4": ("Mistral4Config", "Mistral4ForCausalLM")}
 def register_causal_lms() -> None:
     """Register `CAUSAL_LM_CLASSES` with AutoModelForCausalLM where transformers does not (idempotent)."""
     import transformers
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     for model_type, (config_class, model_class) in CAUSAL_LM_CLASSES.items():
         config_cls, model_cls = getattr(transformers, config_class, None), getattr(transformers, model_class, None)
         if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and config_cls and model_cls:  # (a release without
             transformers.AutoModelForCausalLM.register(config_cls, model_cls, exist_ok=True)  # them refuses the type)
+            if config_cls not in MODEL_FOR_CAUSAL_LM_MAPPING:  # 5.17's register skips a config class of its own
+                MODEL_FOR_CAUSAL_LM_MAPPING._extra_content[config_cls] = model_cls
 
 
 def _text_config(model: nn.Module):
