@@ -13,7 +13,7 @@ from quantmla.calibrate.streaming import ShardReader
 from quantmla.cli import main
 from quantmla.models import UnsupportedModelError, describe, load_model
 from quantmla.models.adapters import check_unquantized, multimodal
-from quantmla.models.tiny import tiny_config
+from quantmla.models.tiny import save_tiny_model, tiny_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -174,3 +174,14 @@ def test_a_multimodal_checkpoints_vision_weights_are_not_read(tmp_path, monkeypa
         vision = [k for k in f.keys() if not k.startswith("language_model.")]
     assert vision and not set(vision) & set(reader.stored.values())
     assert set(reader.read(reader.weight_map)) == set(reader.weight_map)
+
+
+def test_info_says_it_reads_the_language_model_of_a_multimodal_checkpoint(tmp_path, capsys):
+    path = _save(_multimodal_model("kimi_k25"), tmp_path / "m", "v5")
+    assert main(["info", str(path), "--json", str(tmp_path / "i.json")]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "the language model of a multimodal kimi_k25 checkpoint" in said and "as DeepseekV3ForCausalLM" in said
+    assert json.loads((tmp_path / "i.json").read_text())["multimodal"] == "kimi_k25"
+    assert main(["info", str(save_tiny_model("deepseek_v3", tmp_path / "t")), "--json", str(tmp_path / "t.json")]) == 0
+    assert "multimodal" not in capsys.readouterr().out
+    assert json.loads((tmp_path / "t.json").read_text())["multimodal"] is None

@@ -54,6 +54,7 @@ def cmd_info(args) -> None:
     from quantmla.config import CacheConfig
     from quantmla.data import resolve_model_dir
     from quantmla.models import describe
+    from quantmla.models.adapters import multimodal
     from quantmla.quant import bytes_per_token
     from quantmla.calibrate.export import cache_config_of
 
@@ -69,6 +70,10 @@ def cmd_info(args) -> None:
         cfg = CacheConfig(args.content or "int4", args.rope or "int4")
     cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
     console.print(layers_table(model_dir.name, layers))
+    mm = multimodal(model_dir)
+    if mm is not None:
+        console.print(f"the language model of a multimodal {mm.config.model_type} checkpoint: quantmla reads it "
+                      f"alone, as {mm.text.architectures[0]} (the vision tower is not read)")
     rows = []
     for layer in layers:
         wp, cp = layer.weight_pairs, layer.cache_pairs
@@ -87,7 +92,8 @@ def cmd_info(args) -> None:
     else:
         source = f"--content {cfg.content} --rope {cfg.rope}" + ("" if asked else ", the defaults")
     console.print(bytes_table(rows, source))
-    _write_json(args.json, {"model": str(model_dir), "content": str(cfg.content), "rope": str(cfg.rope),
+    _write_json(args.json, {"model": str(model_dir), "multimodal": mm.config.model_type if mm else None,
+                            "content": str(cfg.content), "rope": str(cfg.rope),
                             "layers": rows, "bytes_per_token_bf16": bf16, "bytes_per_token": quant})
 
 
