@@ -185,3 +185,22 @@ def test_info_says_it_reads_the_language_model_of_a_multimodal_checkpoint(tmp_pa
     assert main(["info", str(save_tiny_model("deepseek_v3", tmp_path / "t")), "--json", str(tmp_path / "t.json")]) == 0
     assert "multimodal" not in capsys.readouterr().out
     assert json.loads((tmp_path / "t.json").read_text())["multimodal"] is None
+
+
+def test_kimi_k25_as_released_names_its_text_model_kimi_k2_and_carries_auto_maps(tmp_path):
+    """Kimi K2.5's config.json says model_type kimi_k2 in its text_config (transformers reads that as deepseek_v3)
+    and points at its own code (auto_map): read as deepseek_v3, and no auto_map goes into what quantmla writes."""
+    full = _multimodal_model("kimi_k25")
+    path = _save(full, tmp_path / "m", "legacy")
+    config = json.loads((path / "config.json").read_text())
+    config["architectures"] = ["KimiK25ForConditionalGeneration"]
+    config["auto_map"] = {"AutoConfig": "configuration_kimi_k25.KimiK25Config",
+                          "AutoModel": "modeling_kimi_k25.KimiK25ForConditionalGeneration"}
+    config["text_config"].update(model_type="kimi_k2", auto_map={"AutoConfig": "configuration_deepseek.DeepseekV3Config"})
+    (path / "config.json").write_text(json.dumps(config))
+    model = load_model(path)
+    assert model.config.model_type == "deepseek_v3" and "auto_map" not in model.config.to_dict()
+    ids = torch.randint(0, 128, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, full(input_ids=ids).logits, rtol=0, atol=1e-5)
+    assert {layer.model_type for layer in describe(path)} == {"deepseek_v3"}

@@ -324,8 +324,11 @@ def _configs(path: str | Path):
     with _invalid_settings_named(path):
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    if getattr(text, "model_type", None) not in FAMILIES:
-        raise _unsupported(getattr(text, "model_type", None), path)
+    kind = getattr(text, "model_type", None)
+    if text is not config and kind in ALIASES and type(text).model_type == ALIASES[kind][0]:
+        kind = type(text).model_type  # Kimi K2.5's text_config says kimi_k2; transformers reads it as deepseek_v3
+    if kind not in FAMILIES:
+        raise _unsupported(kind, path)
     if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
         return config, None
     if text is not config and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
@@ -355,6 +358,10 @@ class Multimodal:
 
         self.path, self.config = Path(path), config
         text = copy.deepcopy(config.get_text_config(decoder=True))
+        # Of the family its config class is (an alias, Kimi K2.5's kimi_k2, is not), without the checkpoint's code.
+        text.model_type = type(text).model_type
+        if hasattr(text, "auto_map"):
+            del text.auto_map
         # transformers' multimodal class ties its head to the embeddings by its own flag, not the text config's:
         # the text model computes what it computes.
         text.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
