@@ -474,6 +474,12 @@ def test_error_messages_say_what_was_expected(served):
     assert "a string, a list of token ids, or a list of either" in r.json()["error"]["message"]
     r = served.client.post("/v1/completions", data={"prompt": "x"})  # a form, as `curl -d` sends
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+    # a list of content parts fails both arms of content's union: the error is the part's, not "a valid string"
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    for part, said in ((image, "0.type: Input should be 'text'"), ({"type": "text"}, "0.text: Field required")):
+        r = served.client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": [part]}]})
+        assert_openai_error(r, 400, "messages")
+        assert said in r.json()["error"]["message"] and "valid string" not in r.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path, body, status, param, code", BAD)

@@ -728,7 +728,9 @@ def build_app(llm) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, e: RequestValidationError):
-        err = e.errors()[0]
+        # A union fails once per arm, the first arm first: the deepest error is the arm the client meant (a chat
+        # content part's own fault, not "content: Input should be a valid string" for a list of parts).
+        err = max(e.errors(), key=lambda x: len(x.get("loc", ())))
         loc = [str(p) for p in err.get("loc", ()) if p != "body"]
         if err.get("type") == "json_invalid":
             return error_response(APIError(400, f"malformed JSON body: {err.get('ctx', {}).get('error', '')}"))
