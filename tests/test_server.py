@@ -505,6 +505,22 @@ def test_no_op_values_of_unimplemented_options_are_accepted(served):
     assert r.status_code == 200
 
 
+def test_null_is_the_default(served):
+    """OpenAI's API takes null for its optional fields (clients send it for "not set"): these were refused."""
+    p = PROMPTS[0]
+    nulls = dict.fromkeys(["temperature", "top_p", "top_k", "n", "stream", "stream_options", "seed", "stop",
+                           "ignore_eos", "stop_token_ids", "logprobs", "echo", "presence_penalty"])
+    r = served.client.post("/v1/completions", json={"prompt": p, "max_tokens": 3, **nulls, "temperature": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == served.llm.decode(
+        served.expected[p].token_ids[:3])
+    r = served.client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": 2, **nulls,
+                                                         "max_completion_tokens": None})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+    # a required field stays required
+    assert_openai_error(served.client.post("/v1/completions", json={"prompt": None}), 400, "prompt")
+    assert_openai_error(served.client.post("/v1/chat/completions", json={"messages": None}), 400, "messages")
+
+
 def test_vllm_extras_stop_token_ids_and_ignore_eos(served, monkeypatch):
     """vLLM's stop_token_ids and ignore_eos (serving benchmarks send ignore_eos for a fixed output length) reach
     the engine; they were accepted and ignored."""

@@ -42,7 +42,7 @@ from typing import Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, model_validator
 from starlette.background import BackgroundTask
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -333,6 +333,16 @@ class _SamplingRequest(BaseModel):
     # vLLM's extras, which serving benchmarks send (ignore_eos: a fixed output length)
     ignore_eos: StrictBool = False
     stop_token_ids: list[StrictInt] | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_the_default(cls, data):
+        """OpenAI's API takes null for every optional field, meaning its default (clients send it for "not set");
+        typed strictly, `temperature: null` (or top_p, n, stream, ...) was refused. Required fields keep theirs."""
+        if isinstance(data, dict):
+            fields = cls.model_fields
+            data = {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].is_required()}
+        return data
 
     def refuse_unsupported(self) -> None:
         if self.stream_options is not None and not self.stream:
