@@ -434,6 +434,8 @@ BAD = [
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "image_url", "text": "x"}]}]},
      400, "messages", None),
     ("/v1/chat/completions", '{"messages": [{"role": "user", "content": "\\udfff"}]}', 400, "messages", None),
+    # a role is text in the prompt too (it was reported as the prompt's, a field the client never sent)
+    ("/v1/chat/completions", '{"messages": [{"role": "us\\ud800er", "content": "hi"}]}', 400, "messages", None),
     ("/v1/completions", {"prompt": "x", "stream": True, "n": 3}, 400, "n", None),
     ("/v1/completions", {"prompt": "x", "model": "gpt-4"}, 404, "model", "model_not_found"),
     ("/v1/completions", {"prompt": "x" * 5000, "max_tokens": 1}, 400, "prompt", None),  # > the pool

@@ -384,6 +384,7 @@ class ChatMessage(BaseModel):
     content: str | list[TextPart] | None = None
 
     def text(self) -> str:
+        check_text(self.role, "messages")  # the role is prompt text too (the template's or "role: content")
         if self.content is None and self.role != "assistant":  # OpenAI: only an assistant's (tool call) may lack it
             raise APIError(400, f"a {self.role!r} message needs content", "messages")
         if isinstance(self.content, list):
