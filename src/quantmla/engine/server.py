@@ -15,11 +15,11 @@ token ids, each tokenizer object is used from one thread, and the asyncio loop a
 while a long prompt is tokenized.
 
 Errors come back in OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`: malformed JSON, missing
-or invalid fields (JSON types are taken strictly: `true` is not a number), bad sampling values and OpenAI
-options this server does not implement (`UNSUPPORTED`, when set to anything but their no-op value) are 400;
-an unknown model is 404 (`model_not_found`); a prompt the engine cannot hold (longer than the model's limit
-or than the whole KV pool) is 400 with the engine's message. Of vLLM's extra fields, `ignore_eos` and
-`stop_token_ids` are honoured (serving benchmarks send `ignore_eos`).
+or invalid fields (JSON types are taken strictly: `true` is not a number; null is an optional field's default,
+as in OpenAI's API), bad sampling values and OpenAI options this server does not implement (`UNSUPPORTED`,
+when set to anything but their no-op value) are 400; an unknown model is 404 (`model_not_found`); a prompt the
+engine cannot hold (longer than the model's limit or than the whole KV pool) is 400 with the engine's message.
+Of vLLM's extra fields, `ignore_eos` and `stop_token_ids` are honoured (serving benchmarks send `ignore_eos`).
 """
 
 from __future__ import annotations
