@@ -23,7 +23,7 @@ class SamplingParams:
     max_tokens: tokens to generate (>= 1); temperature: 0 = greedy (so is any below GREEDY_BELOW, where
     dividing fp32 logits by it overflows); top_p in (0, 1] (the most likely token always stays); top_k: 0 = off;
     seed: None = the engine's shared generator; stop_token_ids: extra ids that end the output (the model's
-    eos always does, unless ignore_eos).
+    eos always does, unless ignore_eos), kept as a frozenset: every new token of the request is looked up in it.
     """
 
     max_tokens: int = 64
@@ -31,7 +31,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
 
     def __post_init__(self):
@@ -46,7 +46,7 @@ class SamplingParams:
         # torch's generators take 64-bit seeds: a larger one would fail later, inside the engine's step
         if self.seed is not None and (not isinstance(self.seed, int) or not -2**63 <= self.seed < 2**64):
             raise ValueError(f"seed must be a 64-bit integer (in [-2**63, 2**64)) or None, got {self.seed!r}")
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        object.__setattr__(self, "stop_token_ids", frozenset(int(t) for t in self.stop_token_ids))
 
     @property
     def greedy(self) -> bool:

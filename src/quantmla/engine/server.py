@@ -469,7 +469,7 @@ def sampling_params(req: _SamplingRequest, max_tokens: int) -> SamplingParams:
     try:
         return SamplingParams(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p,
                               top_k=0 if req.top_k == -1 else req.top_k, seed=req.seed,
-                              stop_token_ids=tuple(req.stop_token_ids or ()), ignore_eos=req.ignore_eos)
+                              stop_token_ids=req.stop_token_ids or (), ignore_eos=req.ignore_eos)
     except ValueError as e:
         raise APIError(400, str(e), str(e).split()[0]) from None
 
