@@ -495,12 +495,26 @@ def test_a_multi_head_model_is_refused():
 
 
 @pytest.mark.parametrize("content,rope,where", [("int4:24", "int4:8", "layer 0 content"),
-                                                 ("int4:8", "int8:32", "layer 0 rope")])
+                                                 ("int4:8", "int8:12", "layer 0 rope")])
 def test_group_not_dividing_raises_at_first_update(content, rope, where):
     model = _model("deepseek_v3")
     cache = QuantMLACache(CacheConfig(content, rope))  # fine until the widths are known
     with pytest.raises(ValueError, match=f"{where} format .*does not divide its (32|16) channels"):
         model(_ids(1, 3), **_kw(model, cache))
+
+
+def test_default_groups_are_fitted_to_the_models_widths():
+    """CacheConfig("int4", "int4") as the README spells it, on minicpm3's 32 latent and 8 RoPE channels (narrower
+    than the default group of 64): the cache stores what the CLI and the engine fit it to, int4:32 / int4:8."""
+    model = _model("minicpm3")
+    ids = _ids(1, 24)
+    cache = QuantMLACache(CacheConfig("int4", "int4", sink=2, recent=4))
+    fitted = QuantMLACache(CacheConfig("int4", "int4", sink=2, recent=4).fit(DC, 8))
+    got, want = (model(ids, **_kw(model, c)).logits for c in (cache, fitted))
+    assert torch.equal(got, want)
+    report = cache.memory_report()
+    assert (report["content"]["format"], report["rope"]["format"]) == ("int4:32", "int4:8")
+    assert report["bytes"] == fitted.memory_report()["bytes"]
 
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])

@@ -58,7 +58,7 @@ is still stored as alone). The engine (`quantmla.engine`) needs no padding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -312,6 +312,11 @@ class QuantMLALayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._check_shapes(key_states, value_states)
+        # Formats fitted to the widths as the CLI, the engine and the evals fit them (`QuantFormat.fit`: the default
+        # group where it does not divide, or a group wider than the path): unfitted, the README's
+        # CacheConfig("int4", "int4") was refused on MiniCPM3's 32 RoPE channels that `--rope int4` serves.
+        self.config = replace(self.config, content=self.config.content.fit(key_states.shape[-1]),
+                              rope=self.config.rope.fit(value_states.shape[-1]))
         self.config.content.check_dim(key_states.shape[-1], f"{self._name} content")
         self.config.rope.check_dim(value_states.shape[-1], f"{self._name} rope")
         self.device = key_states.device
