@@ -312,9 +312,9 @@ class QuantMLALayer(DynamicLayer):
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self._check_shapes(key_states, value_states)
-        # Formats fitted to the widths as the CLI, the engine and the evals fit them (`QuantFormat.fit`: the default
-        # group where it does not divide, or a group wider than the path): unfitted, the README's
-        # CacheConfig("int4", "int4") was refused on MiniCPM3's 32 RoPE channels that `--rope int4` serves.
+        # Fitted to the widths as the CLI, the engine and the evals fit them (`QuantFormat.fit`: the default group
+        # where it does not divide, a group wider than the path): CacheConfig("int4", "int4") then serves
+        # MiniCPM3's 32 RoPE channels as `--rope int4` does.
         self.config = replace(self.config, content=self.config.content.fit(key_states.shape[-1]),
                               rope=self.config.rope.fit(value_states.shape[-1]))
         self.config.content.check_dim(key_states.shape[-1], f"{self._name} content")
