@@ -154,3 +154,26 @@ def test_streaming_skips_the_tensors_transformers_ignores(tmp_path, one_thread):
     mem, got = _tensors(tmp_path / "mem"), _tensors(tmp_path / "str")
     assert set(got) == set(mem) and not any(k.startswith("model.mtp.") for k in got)
     assert all(torch.equal(mem[k], got[k]) for k in mem)
+
+
+def test_a_failed_streaming_calibration_leaves_no_partial_checkpoint(tmp_path, one_thread):
+    """A streaming run that fails at a later layer (here a tensor missing from layer 2) had written the shards of
+    the layers before it: the partial --out (a large model's hundreds of GB) made the next `calibrate` refuse it
+    as not empty. The run removes what it wrote, and a directory it made; files of the user's stay."""
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    tiny_model("deepseek_v3").save_pretrained(src, max_shard_size="20KB")
+    index = json.loads((src / "model.safetensors.index.json").read_text())
+    shard = src / index["weight_map"].pop("model.layers.2.self_attn.kv_b_proj.weight")
+    tensors = load_file(shard)
+    del tensors["model.layers.2.self_attn.kv_b_proj.weight"]
+    save_file(tensors, shard, metadata={"format": "pt"})
+    (src / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine")
+    for out in (tmp_path / "new", tmp_path / "kept"):
+        with pytest.raises(ValueError, match="layer 2's tensors do not match the model: lacks"):
+            calibrate_streaming(src, out, _ids(), CFG, steps=1, progress=False)
+    assert not (tmp_path / "new").exists()
+    assert [p.name for p in (tmp_path / "kept").iterdir()] == ["notes.txt"]

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 
@@ -42,8 +43,11 @@ def save_calibrated(model, out_dir: str | Path, cfg: CacheConfig, calibration: d
     """Write the folded `model` with a quantmla section: cfg with the formats `reports` chose
     (`driver.chosen_config`; cfg as given without reports)."""
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    clear_checkpoint(out_dir)
+    with writing_checkpoint(out_dir):
+        return _save_calibrated(model, out_dir, cfg, calibration, reports, source_dir, dtype)
+
+
+def _save_calibrated(model, out_dir: Path, cfg: CacheConfig, calibration: dict, reports, source_dir, dtype) -> Path:
     mark_calibrated(model.config, cfg, calibration, reports)
     if dtype is not None:
         kept = {name: t for name, t in (*model.named_parameters(), *model.named_buffers())
@@ -81,6 +85,24 @@ def stored_dtype(model, name: str, dtype: torch.dtype) -> torch.dtype:
     parts = name.split(".")
     hit = any(parts[i : i + len(k.split("."))] == k.split(".") for k in keep for i in range(len(parts)))
     return torch.float32 if hit else dtype
+
+
+@contextmanager
+def writing_checkpoint(out_dir: Path):
+    """Create out_dir and clear an earlier checkpoint's files from it (`clear_checkpoint`) for a checkpoint
+    written inside; if that raises or is interrupted, remove what it wrote (and out_dir, if created here and
+    left empty). A partial checkpoint is of no use (there is no resuming), filled the disk (a large model's
+    shards) and, as a non-empty --out, made `calibrate` refuse the next run unless --overwrite."""
+    created = not out_dir.exists()
+    out_dir.mkdir(parents=True, exist_ok=True)
+    clear_checkpoint(out_dir)
+    try:
+        yield
+    except BaseException:
+        clear_checkpoint(out_dir)
+        if created and not any(out_dir.iterdir()):
+            out_dir.rmdir()
+        raise
 
 
 def clear_checkpoint(out_dir: Path) -> None:

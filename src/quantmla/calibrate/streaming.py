@@ -34,8 +34,8 @@ from torch import nn
 
 from quantmla.calibrate.driver import calibrate_model
 from quantmla.calibrate.space import SearchSpace
-from quantmla.calibrate.export import (clear_checkpoint, finish_checkpoint, mark_calibrated, source_dtype,
-                                      stored_dtype)
+from quantmla.calibrate.export import (finish_checkpoint, mark_calibrated, source_dtype, stored_dtype,
+                                      writing_checkpoint)
 from quantmla.config import CacheConfig
 from quantmla.models.adapters import (check_checkpoint_dir, check_safetensors, describe, load_config, multimodal,
                                       renaming)
@@ -197,74 +197,75 @@ def calibrate_streaming(model_dir: str | Path, out_dir: str | Path, input_ids: t
     files = [f"model-{i + 1:05d}-of-{n + 1:05d}.safetensors" for i in range(n + 1)]
     weight_map: dict[str, str] = {}
     total = 0  # the index's total_size: tensor bytes, headers not counted (as save_pretrained writes it)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    # An old single file would shadow the new index, and an interrupted run must not leave a directory that
-    # looks like a finished checkpoint (config.json is written last).
-    clear_checkpoint(out_dir)
-    peak = 0
+    # An old single file would shadow the new index (writing_checkpoint clears it first); a failed or interrupted
+    # run leaves none of its shards (config.json is written last: nothing before it looks like a checkpoint).
+    with writing_checkpoint(out_dir):
+        peak = 0
 
-    def write(shard: str, keys, state: dict[str, torch.Tensor], source: dict[str, torch.Tensor]):
-        nonlocal total
-        # a name the module has (folded or not, `rename`d) comes from the module; the per-expert names from the source
-        tensors = {k: (state[rename(k)] if rename(k) in state else source[k]).detach()
-                   .to(stored_dtype(model, k, dtype)).contiguous() for k in keys}
-        save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
-        total += sum(t.nbytes for t in tensors.values())
-        weight_map.update({k: shard for k in keys})
+        def write(shard: str, keys, state: dict[str, torch.Tensor], source: dict[str, torch.Tensor]):
+            nonlocal total
+            # a name the module has (folded or not, `rename`d) comes from the module; the per-expert names from
+            # the source
+            tensors = {k: (state[rename(k)] if rename(k) in state else source[k]).detach()
+                       .to(stored_dtype(model, k, dtype)).contiguous() for k in keys}
+            save_file(tensors, str(out_dir / shard), metadata={"format": "pt"})
+            total += sum(t.nbytes for t in tensors.values())
+            weight_map.update({k: shard for k in keys})
 
-    # Tensors transformers ignores on loading (LongCat-Flash's multi-token-prediction layer, model.mtp.*) are
-    # neither read nor written, as by the in-memory path; the model has no place for them.
-    ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
-    reader.weight_map = {k: v for k, v in reader.weight_map.items() if not any(p.search(k) for p in ignored)}
-    # Everything outside the decoder layers, resident for the whole run (the forward needs the embeddings).
-    rest = [k for k in reader.weight_map if not k.startswith(prefix)]
-    source = reader.read(rest)
-    tensors = {k: v.to(compute) for k, v in _to_model_names(source, rename).items()}
-    _check_shapes(model, tensors, str(model_dir))
-    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    if unexpected:
-        raise ValueError(f"{model_dir}: tensors the model does not have: {unexpected[:5]}")
-    model.tie_weights()
-    still_meta = [name for name, p in model.named_parameters() if p.is_meta and not name.startswith(prefix)]
-    if still_meta:
-        raise ValueError(f"{model_dir}: the checkpoint lacks {still_meta[:5]}")
-    write(files[-1], rest, model.state_dict(), source)
-    del source
+        # Tensors transformers ignores on loading (LongCat-Flash's multi-token-prediction layer, model.mtp.*) are
+        # neither read nor written, as by the in-memory path; the model has no place for them.
+        ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()]
+        reader.weight_map = {k: v for k, v in reader.weight_map.items() if not any(p.search(k) for p in ignored)}
+        # Everything outside the decoder layers, resident for the whole run (the forward needs the embeddings).
+        rest = [k for k in reader.weight_map if not k.startswith(prefix)]
+        source = reader.read(rest)
+        tensors = {k: v.to(compute) for k, v in _to_model_names(source, rename).items()}
+        _check_shapes(model, tensors, str(model_dir))
+        missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+        if unexpected:
+            raise ValueError(f"{model_dir}: tensors the model does not have: {unexpected[:5]}")
+        model.tie_weights()
+        still_meta = [name for name, p in model.named_parameters() if p.is_meta and not name.startswith(prefix)]
+        if still_meta:
+            raise ValueError(f"{model_dir}: the checkpoint lacks {still_meta[:5]}")
+        write(files[-1], rest, model.state_dict(), source)
+        del source
 
-    layer_source: dict[str, torch.Tensor] = {}
+        layer_source: dict[str, torch.Tensor] = {}
 
-    def before(i, block):
-        nonlocal peak
-        keys = reader.keys_under(f"{prefix}{i}.")
-        layer_source.clear()
-        layer_source.update({k[len(f"{prefix}{i}."):]: v for k, v in reader.read(keys).items()})
-        tensors = {k: v.to(compute) for k, v in _to_model_names(layer_source, rename).items()}
-        _check_shapes(block, tensors, f"{model_dir}: layer {i}")
-        missing, unexpected = block.load_state_dict(tensors, strict=False, assign=True)
-        if missing or unexpected:  # strict=True would raise these as a multi-line error
-            raise ValueError(f"{model_dir}: layer {i}'s tensors do not match the model: " + "; ".join(
-                f"{what} {names[:5]}" for what, names in (("lacks", missing), ("has unknown", unexpected)) if names))
-        peak = max(peak, _resident_bytes(model))
+        def before(i, block):
+            nonlocal peak
+            keys = reader.keys_under(f"{prefix}{i}.")
+            layer_source.clear()
+            layer_source.update({k[len(f"{prefix}{i}."):]: v for k, v in reader.read(keys).items()})
+            tensors = {k: v.to(compute) for k, v in _to_model_names(layer_source, rename).items()}
+            _check_shapes(block, tensors, f"{model_dir}: layer {i}")
+            missing, unexpected = block.load_state_dict(tensors, strict=False, assign=True)
+            if missing or unexpected:  # strict=True would raise these as a multi-line error
+                raise ValueError(f"{model_dir}: layer {i}'s tensors do not match the model: " + "; ".join(
+                    f"{what} {names[:5]}" for what, names in (("lacks", missing), ("has unknown", unexpected))
+                    if names))
+            peak = max(peak, _resident_bytes(model))
 
-    def after(i, block):
-        at = f"{prefix}{i}."
-        write(files[i], [at + k for k in layer_source], {at + k: v for k, v in block.state_dict().items()},
-              {at + k: v for k, v in layer_source.items()})
-        layer_source.clear()
-        block.to("meta")  # free the layer's weights
+        def after(i, block):
+            at = f"{prefix}{i}."
+            write(files[i], [at + k for k in layer_source], {at + k: v for k, v in block.state_dict().items()},
+                  {at + k: v for k, v in layer_source.items()})
+            layer_source.clear()
+            block.to("meta")  # free the layer's weights
 
-    reports = calibrate_model(model, layers, input_ids, cfg, steps, seed, progress, before_layer=before,
-                              after_layer=after, space=space)
-    (out_dir / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
-    cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
-    mark_calibrated(model.config, cfg, calibration or {}, reports)
-    model.config.dtype = dtype
-    model.config.save_pretrained(out_dir)
-    # The skeleton's generation config is derived from config.json; the source's own (sampling defaults, the
-    # eos ids of a chat model's end of turn) is copied by finish_checkpoint, as from_pretrained would load it.
-    if (not (model_dir / "generation_config.json").is_file() and getattr(model, "generation_config", None) is not None
-            and model.can_generate()):
-        model.generation_config.save_pretrained(out_dir)
-    finish_checkpoint(out_dir, reports, model_dir)
-    return StreamingResult(reports, out_dir, peak, reader.total_bytes)
+        reports = calibrate_model(model, layers, input_ids, cfg, steps, seed, progress, before_layer=before,
+                                  after_layer=after, space=space)
+        (out_dir / "model.safetensors.index.json").write_text(json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        cfg = cfg.fit(layers[0].kv_lora_rank, layers[0].rope_dim)
+        mark_calibrated(model.config, cfg, calibration or {}, reports)
+        model.config.dtype = dtype
+        model.config.save_pretrained(out_dir)
+        # The skeleton's generation config is derived from config.json; the source's own (sampling defaults, the
+        # eos ids of a chat model's end of turn) is copied by finish_checkpoint, as from_pretrained would load it.
+        if (not (model_dir / "generation_config.json").is_file()
+                and getattr(model, "generation_config", None) is not None and model.can_generate()):
+            model.generation_config.save_pretrained(out_dir)
+        finish_checkpoint(out_dir, reports, model_dir)
+        return StreamingResult(reports, out_dir, peak, reader.total_bytes)
