@@ -104,6 +104,30 @@ def test_checkpoint_dir_round_trip_and_errors(tmp_path):
         load_model(path)
 
 
+def test_weights_transformers_cannot_read_are_refused_by_name(tmp_path):
+    """Weights only in another layout (Mistral's consolidated.safetensors) were transformers' OSError traceback;
+    a sharded checkpoint's index cut short a JSON error naming no file, or without its weight_map a KeyError."""
+    import json
+    import shutil
+
+    from quantmla.calibrate.streaming import ShardReader
+
+    path = save_tiny_model("deepseek_v3", tmp_path / "v3")
+    (path / "model.safetensors").rename(path / "consolidated.safetensors")
+    with pytest.raises(FileNotFoundError, match="no weights that transformers reads .*; consolidated.safetensors is"):
+        load_model(path)
+    shutil.rmtree(path)
+    tiny_model("deepseek_v3").save_pretrained(path, max_shard_size="200KB")
+    index = path / "model.safetensors.index.json"
+    text = index.read_text()
+    for broken, error in ((text[:100], "model.safetensors.index.json is not valid JSON"),
+                          (json.dumps({"metadata": {}}), "model.safetensors.index.json has no weight_map")):
+        index.write_text(broken)
+        for read in (load_model, ShardReader):
+            with pytest.raises(ValueError, match=error):
+                read(path)
+
+
 def test_unreadable_config_is_a_one_line_error(tmp_path, capsys):
     from quantmla.cli import main
 

@@ -38,7 +38,7 @@ from quantmla.calibrate.export import (finish_checkpoint, mark_calibrated, sourc
                                       writing_checkpoint)
 from quantmla.config import CacheConfig
 from quantmla.models.adapters import (check_checkpoint_dir, check_safetensors, describe, load_config, multimodal,
-                                      renaming)
+                                      read_weight_map, renaming)
 
 _EXPERT = re.compile(r"^(?P<pre>.*mlp\.experts)\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
 
@@ -48,9 +48,8 @@ class ShardReader:
 
     def __init__(self, model_dir: str | Path):
         self.dir = check_checkpoint_dir(model_dir)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
+        if (names := read_weight_map(self.dir)) is not None:
+            self.weight_map = names
             check_safetensors(sorted({self.dir / name for name in self.weight_map.values()}))  # before any work
         elif (self.dir / "model.safetensors").is_file():
             check_safetensors([self.dir / "model.safetensors"])

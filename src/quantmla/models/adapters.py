@@ -240,13 +240,32 @@ def read_config_json(path: str | Path) -> dict:
     """A checkpoint directory's config.json as a dict; FileNotFoundError naming a missing directory or
     config.json (`check_checkpoint_dir`), ValueError naming the file when it is not JSON."""
     file = check_checkpoint_dir(path) / "config.json"
-    try:
-        config = json.loads(file.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{file} is not valid JSON ({e}); fix or replace the checkpoint's config.json") from None
+    config = _read_json(file)
     if not isinstance(config, dict):
         raise ValueError(f"{file} holds a JSON {type(config).__name__}, not an object of model settings")
     return config
+
+
+def _read_json(file: Path):
+    """A checkpoint's JSON file, parsed; ValueError naming the file when it is not JSON (json's own names none)."""
+    try:
+        return json.loads(file.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON ({e}); fix or replace the checkpoint's {file.name}") from None
+
+
+def read_weight_map(path: str | Path) -> dict[str, str] | None:
+    """A sharded checkpoint's model.safetensors.index.json weight_map (tensor name -> shard file), None without
+    that index. ValueError naming the file when it is not one (a download cut short): transformers' error named
+    no file, or was a KeyError."""
+    index = Path(path) / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    data = _read_json(index)
+    if not isinstance(data, dict) or not isinstance(data.get("weight_map"), dict):
+        raise ValueError(f"{index} has no weight_map (tensor name -> shard file); fix or replace the "
+                         "checkpoint's index")
+    return data["weight_map"]
 
 
 def check_unquantized(path: str | Path) -> None:
@@ -270,6 +289,10 @@ def _unsupported(model_type, path: Path | None = None) -> UnsupportedModelError:
            else "is not a supported MLA family")
     return UnsupportedModelError(f"model_type {model_type!r}{where} {why}; supported: {', '.join(sorted(FAMILIES))}")
 
+
+# The weight files transformers' from_pretrained reads from a local directory.
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 # Checkpoints that name their own model_type but are a supported family's architecture (their config.json's
 # `architectures`), read with that family's transformers classes: Kimi K2 is DeepSeek-V3.
@@ -429,8 +452,6 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
     if meta:
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
-    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
-        raise FileNotFoundError(f"{path} has a config.json but no weights (*.safetensors)")
     # save_pretrained writes a sharded checkpoint's index after its shards: a write or copy cut short leaves
     # shards that transformers cannot find (an OSError naming model.safetensors only).
     shards = sorted(path.glob("model-*-of-*.safetensors"))
@@ -438,6 +459,16 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
         raise FileNotFoundError(f"{path} holds weight shards ({shards[0].name}, ...) but no "
                                 "model.safetensors.index.json that maps tensors to them: a write or copy cut short? "
                                 "copy or write the checkpoint again")
+    # transformers reads these names only (or the file a config's transformers_weights names); weights under
+    # another (Mistral's consolidated.safetensors) were an OSError traceback.
+    if not any((path / n).is_file() for n in WEIGHT_FILES) and "transformers_weights" not in read_config_json(path):
+        others = sorted(p.name for p in (*path.glob("*.safetensors"), *path.glob("*.bin")))
+        other = f"; {others[0]}{', ...' * (len(others) > 1)} is another layout" if others else ""
+        raise FileNotFoundError(f"{path} has a config.json but no weights that transformers reads ("
+                                f"{', '.join(WEIGHT_FILES)}){other}" + (" (e.g. Mistral's consolidated.safetensors), "
+                                "which quantmla does not read: use the checkpoint's Hugging Face files" if other
+                                else ""))
+    read_weight_map(path)  # a broken index, by name
     check_safetensors(sorted(path.glob("*.safetensors")))
     extra, quiet = {}, contextlib.nullcontext()
     if mm is not None:  # the language model's weights, under the causal LM's names; the vision ones unexpected
@@ -497,9 +528,8 @@ def stored_names(path: str | Path) -> list[str]:
     from safetensors import safe_open
 
     path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        return list(json.loads(index.read_text())["weight_map"])
+    if (names := read_weight_map(path)) is not None:
+        return list(names)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors files (a multimodal checkpoint is read from those only)")
