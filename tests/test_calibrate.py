@@ -272,6 +272,27 @@ def test_calibration_length_defaults_to_2048_or_the_models_positions(tmp_path):
     assert quantmla_section(out)["calibration"]["length"] == 512
 
 
+def test_a_bad_data_file_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
+    """calibrate and analyze read --data only after loading the model (minutes for a large checkpoint), and eval
+    found an empty file only then: a typo cost the load."""
+    import quantmla.models
+
+    src = save_tiny_model("deepseek_v3", tmp_path / "src")
+    (tmp_path / "empty.txt").write_text("\n")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(quantmla.models, "load_model", no_load)
+    monkeypatch.setattr("quantmla.calibrate.streaming.skeleton", no_load)
+    out = ["--out", str(tmp_path / "o")]
+    for command in (["calibrate", *out], ["calibrate", "--streaming", *out], ["analyze"], ["eval"]):
+        for data, error in (("missing.txt", "text file not found"), ("empty.txt", "text file is empty")):
+            assert main([command[0], str(src), *command[1:], "--data", str(tmp_path / data)]) == 2
+            assert error in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
 def test_calibrate_command_rejects_bad_arguments(tmp_path, capsys):
     src = save_tiny_model("deepseek_v3", tmp_path / "src")
     base = ["calibrate", str(src), "--out", str(tmp_path / "o"), "--samples", "2", "--length", "32"]

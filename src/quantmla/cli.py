@@ -232,6 +232,7 @@ def cmd_analyze(args) -> None:
     if not 0 < args.nmse < 1:
         raise ValueError(f"--nmse must be in (0, 1), got {args.nmse}")
     console.print(f"model: {model_dir}")
+    text = read_text(args.data)  # a missing or empty file, before the (slow) model load
     model = load_model(model_dir)
     _check_length(model, args.length, args.sink, args.recent)  # first: a window past the model's positions
     if args.length < args.sink + args.recent + 2:  # the per-layer part needs one token less
@@ -239,7 +240,7 @@ def cmd_analyze(args) -> None:
                          f"and with sink {args.sink} + recent {args.recent} BF16 tokens none sees a noised key; use "
                          f"--length {args.sink + args.recent + 2} or more, or a smaller --recent")
     layers = describe(model)
-    ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size, args.length * args.samples)
+    ids = encode(text, tokenizer_for(model_dir), model.config.vocab_size, args.length * args.samples)
     batch = token_windows(ids, args.length, args.samples)
     console.print(f"text: {args.data or 'built-in calibration sample'}; {batch.shape[0]} x {batch.shape[1]} tokens")
     result = amplification(model, layers, batch, args.nmse, args.seed, policy=CacheConfig(sink=args.sink,
@@ -344,6 +345,7 @@ def cmd_calibrate(args) -> None:
         if args.context <= args.sink + args.recent:
             raise ValueError(f"--context {args.context} leaves no quantized tokens after sink {args.sink} + recent "
                              f"{args.recent}: a budget counts the cache at a longer context (default 131072)")
+    text = read_text(args.data)  # a missing or empty file, before the (slow) model load
     if args.streaming:
         from quantmla.calibrate.streaming import skeleton
 
@@ -357,7 +359,7 @@ def cmd_calibrate(args) -> None:
     _check_length(model, args.length, args.sink, args.recent)
     layers = describe(model)
     cfg = CacheConfig(content, rope, args.sink, args.recent).fit(layers[0].kv_lora_rank, layers[0].rope_dim)
-    ids = encode(read_text(args.data), tokenizer_for(model_dir), model.config.vocab_size, args.length * args.samples)
+    ids = encode(text, tokenizer_for(model_dir), model.config.vocab_size, args.length * args.samples)
     batch = token_windows(ids, args.length, args.samples)
     if batch.shape[0] < 3:  # one each to fit, select and report
         raise ValueError(f"need at least 3 calibration sequences of {args.length} tokens (fit / select / report); "
@@ -431,7 +433,7 @@ def _int_list(text: str, flag: str) -> tuple[int, ...]:
 
 
 def cmd_eval(args) -> None:
-    from quantmla.data import resolve_model_dir, tokenizer_for
+    from quantmla.data import read_text, resolve_model_dir, tokenizer_for
     from quantmla.eval.methods import METHODS, MethodArgs
     from quantmla.eval.suite import EvalSettings, evaluate
     from quantmla.models import load_model
@@ -455,8 +457,8 @@ def cmd_eval(args) -> None:
     settings = EvalSettings(tasks=tuple(t.strip() for t in args.tasks.split(",") if t.strip()),
                             lengths=lengths, samples=args.samples, scored=scored, seed=args.seed, batch=args.batch,
                             windows=args.windows)
-    if args.data and not Path(args.data).is_file():
-        raise FileNotFoundError(f"text file not found: {args.data}")
+    if args.data:
+        read_text(args.data)  # a missing or empty file, before the (slow) model load
     check_device(args.device)
     model_dir = resolve_model_dir(args.model)
     model = load_model(model_dir, attn=args.attn).to(args.device)
