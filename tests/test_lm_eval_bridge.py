@@ -201,6 +201,8 @@ def test_cli_hands_its_arguments_to_lm_eval(monkeypatch):
     (dict(sink="abc"), ValueError, "sink='abc': expected a whole number"),
     (dict(method="rtn", budget=0.2), ValueError, "takes no byte budget"),  # budget is read, and checked
     (dict(method="nope"), ValueError, "unknown method 'nope'"),
+    # the shipped model's 32768 positions all in BF16: rtn would score as BF16
+    (dict(method="rtn", recent=100000), ValueError, "recent 100000 BF16 tokens cover all 32768 positions"),
 ])
 def test_bad_model_args_fail_before_the_model_loads_and_say_why(model_args, error, says):
     from quantmla.eval.lm_eval_bridge import QuantMLALM

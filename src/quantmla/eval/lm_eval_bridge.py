@@ -52,6 +52,7 @@ from quantmla.eval.methods import MethodArgs, apply_method, check_method
 from quantmla.eval.serving import served_prefill, serving
 from quantmla.models.adapters import (ALIASES, cache_kwargs, check_checkpoint_dir, load_config, multimodal,
                                       read_config_json, stored_names)
+from quantmla.policy import check_window_fits
 
 OPTIONS = ("pretrained", "method", "content", "rope", "sink", "recent", "budget")
 
@@ -122,6 +123,11 @@ class QuantMLALM(HFLM):
                           None if recent is None else _whole("recent", recent),
                           None if budget is None else float(budget))
         check_method(method, args)  # before the model loads: a bad option costs nothing
+        # A sink + recent BF16 window over every position of the model quantizes nothing: the method scored as BF16
+        # under its own name. `quantmla eval` refuses that window; so does this, with the values given.
+        config = load_config(pretrained) if isinstance(pretrained, str) else pretrained.config
+        check_window_fits(getattr(config.get_text_config(), "max_position_embeddings", None), args.sink or 0,
+                          args.recent or 0)
         # Causal: lm-eval guesses it from AutoModelForCausalLM's own table, which lacks mistral4 (quantmla
         # registers it: `adapters.register_causal_lms`), and warns that the guess may be wrong.
         kwargs.setdefault("backend", "causal")
