@@ -200,6 +200,8 @@ def test_cli_hands_its_arguments_to_lm_eval(monkeypatch):
     (dict(contnet="int2"), ValueError, "did you mean 'content'"),
     (dict(sink="abc"), ValueError, "sink='abc': expected a whole number"),
     (dict(method="rtn", budget=0.2), ValueError, "takes no byte budget"),  # budget is read, and checked
+    (dict(method="quantmla", budget="abc"), ValueError, "budget='abc': expected a number"),
+    (dict(recent="inf"), ValueError, "recent='inf': expected a whole number"),
     (dict(method="nope"), ValueError, "unknown method 'nope'"),
     # the shipped model's 32768 positions all in BF16: rtn would score as BF16
     (dict(method="rtn", recent=100000), ValueError, "recent 100000 BF16 tokens cover all 32768 positions"),

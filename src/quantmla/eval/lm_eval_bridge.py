@@ -57,13 +57,18 @@ from quantmla.policy import check_window_fits
 OPTIONS = ("pretrained", "method", "content", "rope", "sink", "recent", "budget")
 
 
+def _number(name: str, value, kind: str = "a number") -> float:
+    """A model_args value that must be a number: a ValueError naming it otherwise (float's own names no option)."""
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"model_args {name}={value!r}: expected {kind}") from None
+
+
 def _whole(name: str, value) -> int:
     """A model_args value that must be a whole number (lm-eval hands over "4" as 4, "4.0" as 4.0)."""
-    try:
-        number = float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"model_args {name}={value!r}: expected a whole number") from None
-    if number != int(number):
+    number = _number(name, value, "a whole number")
+    if not number.is_integer():  # inf and nan too (int() of them raised OverflowError / an unnamed ValueError)
         raise ValueError(f"model_args {name}={value!r}: expected a whole number")
     return int(number)
 
@@ -121,7 +126,7 @@ class QuantMLALM(HFLM):
         args = MethodArgs(None if content is None else str(content), None if rope is None else str(rope),
                           None if sink is None else _whole("sink", sink),
                           None if recent is None else _whole("recent", recent),
-                          None if budget is None else float(budget))
+                          None if budget is None else _number("budget", budget))
         check_method(method, args)  # before the model loads: a bad option costs nothing
         # A sink + recent BF16 window over every position of the model quantizes nothing: the method scored as BF16
         # under its own name. `quantmla eval` refuses that window; so does this, with the values given.
