@@ -272,6 +272,22 @@ def test_calibration_length_defaults_to_2048_or_the_models_positions(tmp_path):
     assert quantmla_section(out)["calibration"]["length"] == 512
 
 
+def test_a_quantmla_section_quantmla_did_not_write_is_named(tmp_path, capsys):
+    """An edited (or another tool's) quantmla section in config.json was a KeyError, TypeError or AttributeError
+    traceback in info and eval, and an unknown format in it an error that named no file."""
+    src = save_tiny_model("deepseek_v3", tmp_path / "src")
+    config = json.loads((src / "config.json").read_text())
+    for section, error, commands in (([1, 2], "is not one quantmla writes", ("info", "eval")),
+                                     ({"sink": 4}, "is not one quantmla writes", ("info", "eval")),
+                                     ({"content": "int3", "rope": "int4"}, "does not hold a cache configuration: "
+                                      "unknown cache format 'int3'", ("info",))):
+        (src / "config.json").write_text(json.dumps({**config, "quantmla": section}))
+        for command in commands:
+            assert main([command, str(src)]) == 2
+            err = capsys.readouterr().err
+            assert f"{src / 'config.json'}: its quantmla section {error}" in err, err
+
+
 def test_a_bad_data_file_is_refused_before_the_model_loads(tmp_path, capsys, monkeypatch):
     """calibrate and analyze read --data only after loading the model (minutes for a large checkpoint), and eval
     found an empty file only then: a typo cost the load."""

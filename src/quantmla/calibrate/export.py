@@ -175,13 +175,25 @@ def source_dtype(model_dir: str | Path) -> torch.dtype:
 
 
 def quantmla_section(model_dir: str | Path) -> dict | None:
-    """The checkpoint's quantmla section, or None for an uncalibrated checkpoint."""
+    """The checkpoint's quantmla section, or None for an uncalibrated checkpoint. A section quantmla did not write
+    (edited, or another tool's) is a ValueError naming config.json: its readers raised a KeyError, TypeError or
+    AttributeError."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         return None
-    return read_config_json(model_dir).get(SECTION)
+    section = read_config_json(model_dir).get(SECTION)
+    if section is not None and not (isinstance(section, dict) and {"content", "rope"} <= set(section)):
+        raise ValueError(f"{path}: its {SECTION} section is not one quantmla writes (an object with content and rope "
+                         f"formats): {json.dumps(section)[:80]}; remove it, or calibrate the original checkpoint again")
+    return section
 
 
 def cache_config_of(model_dir: str | Path) -> CacheConfig | None:
     section = quantmla_section(model_dir)
-    return CacheConfig.from_dict(section) if section else None
+    if not section:
+        return None
+    try:
+        return CacheConfig.from_dict(section)
+    except (ValueError, TypeError) as e:  # a format quantmla does not know: say where it is written
+        raise ValueError(f"{Path(model_dir) / 'config.json'}: its {SECTION} section does not hold a cache "
+                         f"configuration: {e}") from None
