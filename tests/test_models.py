@@ -128,6 +128,17 @@ def test_weights_transformers_cannot_read_are_refused_by_name(tmp_path):
                 read(path)
 
 
+def test_a_model_type_that_is_no_name_is_refused_in_one_line(tmp_path):
+    import json
+
+    path = save_tiny_model("deepseek_v3", tmp_path / "v3")
+    config = json.loads((path / "config.json").read_text())
+    for model_type in (5, None):
+        (path / "config.json").write_text(json.dumps({**config, "model_type": model_type}))
+        with pytest.raises(UnsupportedModelError, match=f"^model_type {model_type} in .* is not a supported MLA"):
+            load_model(path, meta=True)
+
+
 def test_unreadable_config_is_a_one_line_error(tmp_path, capsys):
     from quantmla.cli import main
 

@@ -341,8 +341,10 @@ def _configs(path: str | Path):
         with _invalid_settings_named(path):
             return CONFIG_MAPPING[family].from_dict(fields), None
     # A model_type transformers has no class for needs the checkpoint's own code, which quantmla never runs
-    # (transformers would ask for trust_remote_code, or prompt on a terminal): refuse it here, by name.
-    if isinstance(declared, str) and declared not in CONFIG_MAPPING:
+    # (transformers would ask for trust_remote_code, or prompt on a terminal): refuse it here, by name. So is one
+    # that is no name (a number; null): transformers' refusal of it ran over several lines of upgrade advice.
+    # (A missing one is left to transformers, which guesses it from the directory's name, or says it is missing.)
+    if "model_type" in raw and (not isinstance(declared, str) or declared not in CONFIG_MAPPING):
         raise _unsupported(declared, path)
     with _invalid_settings_named(path):
         config = AutoConfig.from_pretrained(path, local_files_only=True)
