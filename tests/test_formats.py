@@ -255,7 +255,8 @@ def test_ranked_straight_through_passes_no_gradient_to_dropped_channels():
     assert torch.equal(x.grad[:, 32:], torch.zeros(4, 32)) and (x.grad[:, :32] != 0).any()
 
 
-@pytest.mark.parametrize("spec,match", [("int8r100", "multiple"), ("fp8r128", "only channel"),
+@pytest.mark.parametrize("spec,match", [("int8r100", "^int8r100: .*multiple.* e.g. int8:4r100$"),
+                                        ("int8r32", "e.g. int8:32r32"), ("fp8r128", "only channel"),
                                         ("int4:t64r64", "only channel"), ("int4r", "rank after"),
                                         ("int4r0", "positive rank"),
                                         ("bf16r64", "only channel")])

@@ -5,6 +5,8 @@ Everything below the CLI receives these objects explicitly; nothing reads flags 
 
 from __future__ import annotations
 
+import math
+
 import numbers
 from dataclasses import dataclass, field, replace
 
@@ -94,8 +96,11 @@ class QuantFormat:
         if self.rank:
             if not self.is_integer or self.axis != "channel":
                 raise ValueError(f"only channel-grouped int8/int4/int2 store a rank (e.g. int8r128), not {self}")
-            if self.rank < 0 or self.rank % self.group:
-                raise ValueError(f"rank must be a positive multiple of the group ({self.group}), got {self.rank}")
+            if self.rank < 0:
+                raise ValueError(f"a rank must be positive, got {self.rank}")
+            if self.rank % self.group:
+                raise ValueError(f"{self}: the rank must be a multiple of the group ({self.group}); spell a group "
+                                 f"that divides it, e.g. {self.kind}:{math.gcd(self.rank, self.group)}r{self.rank}")
 
     @property
     def bits(self) -> int:
