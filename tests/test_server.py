@@ -173,10 +173,7 @@ def test_completion_equals_the_engine(served, as_ids):
 def test_chat_uses_the_fallback_template(served):
     assert not getattr(served.llm.tokenizer, "chat_template", None)  # else the fallback is not what runs
     want = served.expected[CHAT_TEXT]
-    # the same chat, with the user's content as a list of text parts
-    messages = [CHAT[0], {"role": "user", "content": [{"type": "text", "text": "def add"},
-                                                      {"type": "text", "text": "(a, b):"}]}]
-    r = served.client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": MAX_TOKENS,
+    r = served.client.post("/v1/chat/completions", json={"messages": CHAT, "max_tokens": MAX_TOKENS,
                                                          "temperature": 0})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -185,6 +182,16 @@ def test_chat_uses_the_fallback_template(served):
     assert body["choices"][0]["finish_reason"] == want.finish_reason
     assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
     assert body["usage"]["completion_tokens"] == len(want.token_ids)
+
+
+def test_chat_text_parts_are_joined_by_newlines(served):
+    """A message's list of text parts reads as its texts joined by newlines, as vLLM joins them."""
+    parts = [{"type": "text", "text": "def add"}, {"type": "text", "text": "(a, b):"}]
+    got = [served.client.post("/v1/chat/completions", json={
+        "messages": [CHAT[0], {"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}).json()
+        for content in (parts, "def add\n(a, b):")]
+    assert got[0]["choices"][0]["message"] == got[1]["choices"][0]["message"]
+    assert got[0]["usage"] == got[1]["usage"]
 
 
 def test_text_prompts_get_the_tokenizers_bos_once(served, monkeypatch):

@@ -388,7 +388,7 @@ class ChatMessage(BaseModel):
         if self.content is None and self.role != "assistant":  # OpenAI: only an assistant's (tool call) may lack it
             raise APIError(400, f"a {self.role!r} message needs content", "messages")
         if isinstance(self.content, list):
-            return check_text("".join(p.text for p in self.content), "messages")
+            return check_text("\n".join(p.text for p in self.content), "messages")  # as vLLM joins them
         return check_text(self.content or "", "messages")
 
 
