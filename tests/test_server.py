@@ -20,7 +20,8 @@ import torch
 import uvicorn
 
 from quantmla.engine import LLM, RequestOutput, SamplingParams
-from quantmla.engine.server import Server, TextStream, build_app
+from quantmla.data import default_model_dir
+from quantmla.engine.server import APIError, Server, TextStream, build_app
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -775,18 +776,35 @@ def test_serve_command_builds_the_engine_and_says_where(monkeypatch, capsys):
     from quantmla.cli import main
 
     served_with = []
-    monkeypatch.setattr(server_module, "serve", lambda llm, host, port: served_with.append((llm, host, port)))
+    monkeypatch.setattr(server_module, "serve", lambda llm, host, port, model_names: served_with.append(
+        (llm, host, port, model_names)))
     assert main(["serve", "--device", "cpu", "--content", "int2", "--kv-cache-bytes", "14e6", "--max-num-seqs", "4",
                  "--max-model-len", "1024", "--port", "8123"]) == 0
-    (llm, host, port), = served_with
+    (llm, host, port, names), = served_with
     assert (host, port, llm.max_model_len, llm.stats()["format"]) == ("127.0.0.1", 8123, 1024, "int2/int4")
+    assert names == (llm.model_name,)
     out = capsys.readouterr().out
     assert "http://127.0.0.1:8123/v1" in out and f"{llm.capacity_tokens} tokens" in out
     assert main(["serve", "--device", "cpu", "--rope", "int4:t64", "--kv-cache-bytes", "14e6", "--max-num-seqs",
                  "4", "--max-model-len", "1024"]) == 0  # a token-axis (KIVI-style) RoPE path
     assert served_with[-1][0].stats()["format"] == "int4/int4:t64"
+    model_dir = str(default_model_dir())
+    assert main(["serve", model_dir, "--device", "cpu", "--kv-cache-bytes", "14e6", "--max-num-seqs", "4"]) == 0
+    assert served_with[-1][3] == ("default_model", model_dir)  # as vLLM names it too: by the path it was given
+    assert main(["serve", "--device", "cpu", "--kv-cache-bytes", "14e6", "--max-num-seqs", "4",
+                 "--served-model-name", "mla", "mla-int4"]) == 0
+    assert served_with[-1][3] == ("mla", "mla-int4")
     assert main(["serve", "--device", "cpu", "--kv-cache-bytes", "1000"]) == 2  # no page fits: one-line error
     assert "holds no page" in capsys.readouterr().err
+
+
+def test_a_request_may_name_the_model_by_any_of_its_names(served):
+    server = Server(served.llm, ("mla", "/models/mla"))
+    for name in ("mla", "/models/mla", None):
+        server.check_model(name)
+    with pytest.raises(APIError, match="'gpt-4' does not exist; this server serves 'mla' or '/models/mla'"):
+        server.check_model("gpt-4")
+    assert server.model_name == "mla" and Server(served.llm).model_names == (served.llm.model_name,)
 
 
 def test_serve_command_refuses_bad_options_in_one_line(capsys, tmp_path):

@@ -599,9 +599,12 @@ def cmd_serve(args) -> None:
                   f"{s['kv_cache_bytes'] / 2**20:.1f} MiB), up to {args.max_num_seqs} sequences of at most "
                   f"{llm.max_model_len} tokens, on {llm.model.device} (decode kernel: {s['decode_kernel']})",
                   soft_wrap=True)
-    console.print(f"serving {llm.model_name} at http://{args.host}:{args.port}/v1 (OpenAI API; also /health, "
-                  f"/metrics)", soft_wrap=True)
-    serve(llm, args.host, args.port)
+    # By default a request may name the model by its folder or, as vLLM names it, by the path it was started with.
+    names = args.served_model_name or [llm.model_name, *([args.model] if args.model else [])]
+    names = tuple(dict.fromkeys(names))
+    console.print(f"serving {' or '.join(names)} at http://{args.host}:{args.port}/v1 (OpenAI API; also "
+                  f"/health, /metrics)", soft_wrap=True)
+    serve(llm, args.host, args.port, model_names=names)
 
 
 def check_device(name: str) -> None:
@@ -833,6 +836,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-seqs", type=int, default=64, help="requests decoded together at most (default 64)")
     s.add_argument("--max-model-len", type=int,
                    help="prompt + output tokens of one request at most (default: the model's max_position_embeddings)")
+    s.add_argument("--served-model-name", nargs="+", metavar="NAME",
+                   help="names a request's \"model\" may give; the first is the one responses and /v1/models "
+                        "report (default: the checkpoint folder's name, and MODEL as given)")
     s.set_defaults(func=cmd_serve)
     return p
 

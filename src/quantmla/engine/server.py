@@ -487,14 +487,16 @@ class _Job:
 
 
 class Server:
-    """The handlers' shared state: the LLM's fixed facts and the engine thread."""
+    """The handlers' shared state: the LLM's fixed facts and the engine thread. model_names: what a request's
+    "model" may say (default: the LLM's model_name); the first is the name responses and /v1/models give."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, model_names: tuple[str, ...] = ()):
         if llm.tokenizer is None:
             raise ValueError("the server needs a tokenizer (the LLM has none: pass tokenizer=...)")
         self.llm = llm
         self.tokenizer = llm.tokenizer
-        self.model_name = llm.model_name
+        self.model_names = tuple(model_names) or (llm.model_name,)
+        self.model_name = self.model_names[0]
         self.request_limit = min(llm.max_model_len, llm.capacity_tokens)  # prompt + output one request can get
         self.engine = EngineLoop(llm)
         self.text = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="quantmla-text")
@@ -513,9 +515,10 @@ class Server:
         return await asyncio.get_running_loop().run_in_executor(self.prompts, fn, *args)
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model_name!r}",
-                           "model", "model_not_found")
+        if model is not None and model not in self.model_names:
+            names = " or ".join(map(repr, self.model_names))
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {names}", "model",
+                           "model_not_found")
 
     async def encode(self, prompt: str | list[int], special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt (the engine checks them): ids as given; text as llm.add_request encodes it, with
@@ -717,10 +720,10 @@ def metrics_text(stats: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def build_app(llm) -> FastAPI:
-    """The FastAPI app serving `llm`. Its lifespan starts and stops the engine thread; `app.state.server`
-    is the `Server` (its `engine.stats()` is safe to read from any thread)."""
-    server = Server(llm)
+def build_app(llm, model_names: tuple[str, ...] = ()) -> FastAPI:
+    """The FastAPI app serving `llm` under `model_names` (see `Server`). Its lifespan starts and stops the engine
+    thread; `app.state.server` is the `Server` (its `engine.stats()` is safe to read from any thread)."""
+    server = Server(llm, model_names)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -843,8 +846,9 @@ def uvicorn_server(app: FastAPI, **config):
     return _Server(uvicorn.Config(app, **config))
 
 
-def serve(llm, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `llm` until interrupted (Ctrl-C: requests in flight get GRACEFUL_SHUTDOWN_S to finish, instead of
-    holding the process until every generation ends)."""
-    uvicorn_server(build_app(llm), host=host, port=port, log_level=log_level,
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+          model_names: tuple[str, ...] = ()) -> None:
+    """Serve `llm` under `model_names` (see `Server`) until interrupted (Ctrl-C: requests in flight get
+    GRACEFUL_SHUTDOWN_S to finish, instead of holding the process until every generation ends)."""
+    uvicorn_server(build_app(llm, model_names), host=host, port=port, log_level=log_level,
                    timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S).run()
