@@ -773,9 +773,11 @@ def test_load_200_requests_16_clients(served):
 # --------------------------------------------------------------------------------------------- the command
 def test_serve_command_builds_the_engine_and_says_where(monkeypatch, capsys):
     import quantmla.engine.server as server_module
+    from quantmla import cli
     from quantmla.cli import main
 
     served_with = []
+    monkeypatch.setattr(cli, "check_can_listen", lambda host, port: None)  # port 8000 may be taken on this machine
     monkeypatch.setattr(server_module, "serve", lambda llm, host, port, model_names: served_with.append(
         (llm, host, port, model_names)))
     assert main(["serve", "--device", "cpu", "--content", "int2", "--kv-cache-bytes", "14e6", "--max-num-seqs", "4",
@@ -807,8 +809,11 @@ def test_a_request_may_name_the_model_by_any_of_its_names(served):
     assert server.model_name == "mla" and Server(served.llm).model_names == (served.llm.model_name,)
 
 
-def test_serve_command_refuses_bad_options_in_one_line(capsys, tmp_path):
+def test_serve_command_refuses_bad_options_in_one_line(capsys, tmp_path, monkeypatch):
+    from quantmla import cli
     from quantmla.cli import main
+
+    monkeypatch.setattr(cli, "check_can_listen", lambda host, port: None)  # port 8000 may be taken on this machine
     from quantmla.models.tiny import tiny_model
 
     for argv, says in ((["--device", "tpu"], "--device"), (["--device", "cuda:99"], "--device"),
@@ -828,6 +833,21 @@ def test_serve_command_refuses_bad_options_in_one_line(capsys, tmp_path):
     assert main(["serve", str(tmp_path), "--device", "cpu", "--kv-cache-bytes", "14e6"]) == 2
     out, err = capsys.readouterr()
     assert "has no tokenizer" in err and "serving" not in out
+
+
+def test_serve_command_refuses_an_address_it_cannot_listen_on_before_loading(capsys, monkeypatch):
+    import quantmla.engine as engine
+    from quantmla.cli import main
+
+    monkeypatch.setattr(engine, "LLM", lambda *a, **k: pytest.fail("the model loaded before the address was checked"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port), "--kv-cache-bytes", "14e6"]) == 2
+        assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
+    assert main(["serve", "--host", "192.0.2.1", "--kv-cache-bytes", "14e6"]) == 2  # TEST-NET: no machine's own
+    assert "cannot listen on 192.0.2.1:8000" in capsys.readouterr().err
 
 
 

@@ -587,6 +587,7 @@ def cmd_serve(args) -> None:
 
     if args.device is not None:
         check_device(args.device)
+    check_can_listen(args.host, args.port)
     llm = LLM(args.model, content=args.content, rope=args.rope, sink=args.sink, recent=args.recent,
               device=args.device, kv_cache_bytes=args.kv_cache_bytes,
               gpu_memory_utilization=args.gpu_memory_utilization, max_num_seqs=args.max_num_seqs,
@@ -642,6 +643,21 @@ def port_number(text: str) -> int:
     if not 1 <= value <= 65535:
         raise argparse.ArgumentTypeError(f"must be a TCP port in 1-65535, got {text!r}")
     return value
+
+
+def check_can_listen(host: str, port: int) -> None:
+    """Refuse an address the server could not listen on (a port in use, a host that does not resolve) before the
+    model loads, not minutes later. uvicorn binds again afterwards (with SO_REUSEADDR, as here)."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        family, kind, proto, _, address = infos[0]
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(address)
+    except OSError as e:
+        raise ValueError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
 
 
 # ---------------------------------------------------------------- parser
