@@ -252,6 +252,24 @@ def test_kv_cache_dtype_other_than_auto_is_refused():
 
 
 @needs_vllm
+def test_a_model_vllm_gives_another_head_size_is_refused_at_start(tmp_path):
+    """vLLM runs Mistral 4 (and Youtu) as MLA through its Transformers backend, but its MLA metadata takes the
+    config's head size (80 here, not the latent's 576): the engine started, then its first request failed with
+    'Head dimension 80 is not supported by MLA'. Refused when the backend is built, naming quantmla serve."""
+    from vllm.config import ModelConfig
+
+    from quantmla.integrations.vllm.backend import check_head_size
+    from quantmla.models.tiny import tiny_model
+
+    for family in ("mistral4", "deepseek_v3"):
+        tiny_model(family, kv_lora_rank=512, qk_rope_head_dim=64).save_pretrained(tmp_path / family)
+    check_head_size(ModelConfig(model=str(tmp_path / "deepseek_v3"), skip_tokenizer_init=True), 512, 64)
+    with pytest.raises(ValueError, match="model_type mistral4\\) as MLA: its MLA attention takes the config's head "
+                                         "size, 80, not the latent's .* Serve it with `quantmla serve`"):
+        check_head_size(ModelConfig(model=str(tmp_path / "mistral4"), skip_tokenizer_init=True), 512, 64)
+
+
+@needs_vllm
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_spec_rows_are_quantmlas_bytes_in_any_model_dtype(monkeypatch, dtype):
     """vLLM sizes the KV tensor from the spec; BF16 rows must be 1152 bytes for a float32 model too (its spec

@@ -29,7 +29,7 @@ import torch
 from vllm.config import get_current_vllm_config_or_none
 from vllm.forward_context import get_forward_context, is_forward_context_available
 from vllm.logger import init_logger
-from vllm.model_executor.layers.attention.mla_attention import MLACommonMetadataBuilder
+from vllm.model_executor.layers.attention.mla_attention import MLACommonBackend, MLACommonMetadataBuilder
 
 from quantmla.cache.paged import PagedMLACache
 from quantmla.config import CacheConfig
@@ -145,6 +145,19 @@ def check_kv_cache_dtype(cache_dtype: str) -> None:
                          f"(got {cache_dtype!r})")
 
 
+def check_head_size(model_config, kv_lora_rank: int, rope_dim: int) -> None:
+    """Refuse at start what vLLM's MLA metadata refuses at every step: it checks the head size of the model's
+    config (`get_head_size`), the latent width only for the model types vLLM lists as DeepSeek-style MLA.
+    Others that it runs as MLA through its Transformers backend (Mistral 4, Youtu) started, then failed their
+    first request with 'Head dimension 80 is not supported by MLA'."""
+    head = model_config.get_head_size()
+    if not MLACommonBackend.supports_head_size(head):
+        model_type = getattr(model_config.hf_text_config, "model_type", None)
+        raise ValueError(f"vLLM cannot run {model_config.model} (model_type {model_type}) as MLA: its MLA attention "
+                         f"takes the config's head size, {head}, not the latent's (kv_lora_rank {kv_lora_rank} + "
+                         f"rope {rope_dim}), and refuses it at the first request. Serve it with `quantmla serve`.")
+
+
 class QuantMLAImplMixin:
     """forward_mqa / forward_mha / do_kv_cache_update over quantmla's cache; mixed into vLLM's MLA impl of
     the platform (which supplies __init__, the prefill attention and the weight absorption)."""
@@ -157,6 +170,7 @@ class QuantMLAImplMixin:
         layout.row_bytes(cfg, dc, dr)  # refuses what one row per token cannot hold (token-axis formats)
         vllm_config = get_current_vllm_config_or_none()
         check_kv_cache_dtype(vllm_config.cache_config.cache_dtype)
+        check_head_size(vllm_config.model_config, dc, dr)
         self.quantmla_layer = _cache_index(self, cfg, vllm_config)
         # refuses what the paged cache cannot store
         PagedMLACache.allocate(cfg.at(self.quantmla_layer), dc, dr, num_blocks=1, max_seqs=1, block_size=1)
