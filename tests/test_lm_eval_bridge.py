@@ -199,6 +199,8 @@ def test_cli_hands_its_arguments_to_lm_eval(monkeypatch):
     (dict(pretrained="/nonexistent/checkpoint"), FileNotFoundError, "model directory not found"),
     (dict(contnet="int2"), ValueError, "did you mean 'content'"),
     (dict(sink="abc"), ValueError, "sink='abc': expected a whole number"),
+    (dict(recent=float("inf")), ValueError, "recent=inf: expected a whole number"),  # int() raised OverflowError
+    (dict(method="quantmla", budget=True), ValueError, "budget=True: expected a number"),  # lm-eval's "true"; was 1.0
     (dict(method="rtn", budget=0.2), ValueError, "takes no byte budget"),  # budget is read, and checked
     (dict(method="quantmla", budget="abc"), ValueError, "budget='abc': expected a number"),
     (dict(recent="inf"), ValueError, "recent='inf': expected a whole number"),

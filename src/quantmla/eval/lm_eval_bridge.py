@@ -57,18 +57,21 @@ from quantmla.policy import check_window_fits
 OPTIONS = ("pretrained", "method", "content", "rope", "sink", "recent", "budget")
 
 
-def _number(name: str, value, kind: str = "a number") -> float:
-    """A model_args value that must be a number: a ValueError naming it otherwise (float's own names no option)."""
-    try:
-        return float(value)
-    except (TypeError, ValueError):
-        raise ValueError(f"model_args {name}={value!r}: expected {kind}") from None
+def _number(name: str, value, expected: str = "a number") -> float:
+    """A model_args value that must be a number (lm-eval hands over "4" as 4, "0.3" as 0.3, "true" as True),
+    or an error naming the arg (float's own named only the value)."""
+    if not isinstance(value, bool):
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            pass
+    raise ValueError(f"model_args {name}={value!r}: expected {expected}")
 
 
 def _whole(name: str, value) -> int:
-    """A model_args value that must be a whole number (lm-eval hands over "4" as 4, "4.0" as 4.0)."""
+    """A model_args value that must be a whole number ("4.0" comes as 4.0)."""
     number = _number(name, value, "a whole number")
-    if not number.is_integer():  # inf and nan too (int() of them raised OverflowError / an unnamed ValueError)
+    if not number.is_integer():  # also inf and nan, which int() raised on with its own words
         raise ValueError(f"model_args {name}={value!r}: expected a whole number")
     return int(number)
 
