@@ -51,6 +51,9 @@ def test_parse_spec():
     assert settings.parse_spec("int4,int4") == CacheConfig("int4", "int4", 4, 128)
     assert settings.parse_spec(" int2 , int4:32 , sink=8, recent=64") == CacheConfig("int2", "int4:32", 8, 64)
     assert settings.parse_spec("bf16") == CacheConfig.bf16()
+    # spelled as the formats may be: any case, spaces around "=" (both were refused)
+    assert settings.parse_spec("BF16") == CacheConfig.bf16()
+    assert settings.parse_spec("INT2, Int4, sink = 8, RECENT= 64") == CacheConfig("int2", "int4", 8, 64)
     for bad in ("int4", "int4,int4,int4", "int4,int4,window=3", "int4,int4,sink=x"):
         with pytest.raises(ValueError, match="CONTENT,ROPE"):
             settings.parse_spec(bad)

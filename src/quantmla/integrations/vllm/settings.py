@@ -21,13 +21,14 @@ ENV = "QUANTMLA_VLLM_CACHE"
 
 def parse_spec(spec: str) -> CacheConfig:
     """QUANTMLA_VLLM_CACHE's value -> CacheConfig. Raises ValueError with the expected spelling."""
-    parts = [p.strip() for p in spec.split(",") if p.strip()]
+    # Case and spaces as the formats take them (QuantFormat.parse): "BF16" and "sink = 8" were refused.
+    parts = [p.strip().lower() for p in spec.split(",") if p.strip()]
     formats = [p for p in parts if "=" not in p]
-    options = dict(p.split("=", 1) for p in parts if "=" in p)
+    options = {k.strip(): v.strip() for k, v in (p.split("=", 1) for p in parts if "=" in p)}
     if formats == ["bf16"] and not options:
         return CacheConfig.bf16()
     unknown = set(options) - {"sink", "recent"}
-    if len(formats) != 2 or unknown or not all(v.strip().isdigit() for v in options.values()):
+    if len(formats) != 2 or unknown or not all(v.isdigit() for v in options.values()):
         raise ValueError(f"{ENV}={spec!r}: expected 'bf16' or 'CONTENT,ROPE[,sink=N,recent=N]', "
                          f"e.g. 'int4,int4' or 'int2,int4,sink=4,recent=128'")
     return CacheConfig(formats[0], formats[1], int(options.get("sink", 4)), int(options.get("recent", 128)))
