@@ -422,3 +422,28 @@ def test_mistral4_text_checkpoints_load_with_transformers_classes(tmp_path):
     assert type(model).__name__ == "Mistral4ForCausalLM" and len(describe(path)) == 2
     ids = torch.randint(0, 128, (1, 40))
     torch.testing.assert_close(model(ids).logits, tiny_model("mistral4")(ids).logits)
+
+
+def test_minicpm3_longrope_without_factor_as_published_loads(tmp_path):
+    """MiniCPM3-4B's config.json gives its longrope short/long factors and original_max_position_embeddings
+    (= max_position_embeddings) but no `factor`; transformers' MiniCPM3 attention reads that key for any rope
+    type but the default one, so every command failed with a KeyError 'factor' traceback. quantmla supplies
+    the factor transformers' rope code derives (max_position_embeddings / original_max_position_embeddings)."""
+    import json
+
+    from quantmla.calibrate.streaming import skeleton
+
+    path = save_tiny_model("minicpm3", tmp_path / "m")
+    cfg = json.loads((path / "config.json").read_text())
+    half = cfg["qk_rope_head_dim"] // 2
+    cfg.pop("rope_parameters", None)
+    cfg.update(rope_theta=10000.0, rope_scaling={"type": "longrope", "original_max_position_embeddings": 512,
+                                                 "short_factor": [1.0 + 0.5 * i for i in range(half)],
+                                                 "long_factor": [2.0 + 0.5 * i for i in range(half)]})
+    (path / "config.json").write_text(json.dumps(cfg))
+    model = load_model(path)
+    assert model.config.rope_parameters["factor"] == 1.0 and skeleton(path) is not None
+    assert [layer.mscale for layer in describe(path)] == pytest.approx([1.0] * cfg["num_hidden_layers"])
+    ref = tiny_model("minicpm3")  # the same weights with the plain default RoPE: the short factors move logits
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(0))
+    assert not torch.allclose(model(ids).logits, ref(ids).logits)

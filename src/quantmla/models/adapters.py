@@ -339,7 +339,7 @@ def _configs(path: str | Path):
         family = ALIASES[declared][0]
         fields = {k: v for k, v in raw.items() if k not in ("model_type", "auto_map")}
         with _invalid_settings_named(path):
-            return CONFIG_MAPPING[family].from_dict(fields), None
+            return _with_longrope_factor(CONFIG_MAPPING[family].from_dict(fields)), None
     # A model_type transformers has no class for needs the checkpoint's own code, which quantmla never runs
     # (transformers would ask for trust_remote_code, or prompt on a terminal): refuse it here, by name. So is one
     # that is no name (a number; null): transformers' refusal of it ran over several lines of upgrade advice.
@@ -348,7 +348,7 @@ def _configs(path: str | Path):
         raise _unsupported(declared, path)
     with _invalid_settings_named(path):
         config = AutoConfig.from_pretrained(path, local_files_only=True)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = _with_longrope_factor(config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config)
     kind = getattr(text, "model_type", None)
     if text is not config and kind in ALIASES and type(text).model_type == ALIASES[kind][0]:
         kind = type(text).model_type  # Kimi K2.5's text_config says kimi_k2; transformers reads it as deepseek_v3
@@ -364,6 +364,18 @@ def _configs(path: str | Path):
     raise UnsupportedModelError(f"model_type {config.model_type!r} in {path} wraps a {text.model_type} language "
                                 "model in a model transformers runs neither as a causal LM nor as an image-text "
                                 "model; quantmla reads neither")
+
+
+def _with_longrope_factor(config):
+    """`config`, its longrope parameters given the `factor` that transformers' rope code derives when it is absent
+    (max_position_embeddings / original_max_position_embeddings). MiniCPM3-4B's config.json, as published, has
+    none, and transformers' MiniCPM3 attention reads it for any rope type but the default: a KeyError 'factor'
+    traceback from every command."""
+    params = getattr(config, "rope_parameters", None)
+    if (isinstance(params, dict) and params.get("rope_type") == "longrope" and params.get("factor") is None
+            and params.get("original_max_position_embeddings")):
+        params["factor"] = config.max_position_embeddings / params["original_max_position_embeddings"]
+    return config
 
 
 class Multimodal:
