@@ -1,5 +1,6 @@
 """The lm-eval bridge, offline: a tiny MLA model with a byte tokenizer, and the local tasks in tests/data."""
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -231,6 +232,13 @@ def test_checkpoints_lm_eval_cannot_run_are_refused_by_name_before_loading(tmp_p
                 intermediate_size=64).save_pretrained(llama)  # a config alone: nothing is loaded
     with pytest.raises(ValueError, match="model_type 'llama' .* is not a supported MLA family"):
         QuantMLALM(pretrained=str(llama))
+    fp8 = tmp_path / "fp8"  # DeepSeek-V3's FP8 weights, which transformers fails to dequantize on a CPU
+    tiny_model("deepseek_v3").config.save_pretrained(fp8)
+    config = json.loads((fp8 / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128]}
+    (fp8 / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="holds FP8 weights in blocks .* convert the checkpoint to bf16 first"):
+        QuantMLALM(pretrained=str(fp8))
 
 
 def test_kimi_k2_checkpoints_run_with_their_familys_classes(tiny_dir, tmp_path):

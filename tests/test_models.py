@@ -343,6 +343,32 @@ def test_calibrate_refuses_a_quantized_checkpoint_before_any_work(tmp_path, caps
         assert not (tmp_path / "o").exists()
 
 
+def test_an_fp8_checkpoint_as_published_is_refused_by_every_command_that_reads_its_weights(tmp_path, capsys):
+    """DeepSeek-V3's FP8 weights (128 x 128 blocks, one weight_scale_inv per block): on a CPU transformers'
+    dequantization failed on kv_a_proj_with_mqa, whose kv_lora_rank + rope rows (576) are no multiple of a
+    block, and eval, analyze and serve printed a page of loading report and traceback. They refuse it in one
+    line, as calibrate does; info (no weights read) still describes it."""
+    from safetensors.torch import load_file, save_file
+
+    from quantmla.cli import main
+
+    path = tmp_path / "m"
+    tiny_model("deepseek_v3", kv_lora_rank=512, qk_rope_head_dim=64).save_pretrained(path)
+    weights = load_file(path / "model.safetensors")
+    for name, w in list(weights.items()):
+        if w.dim() == 2 and not any(n in name for n in ("embed", "lm_head", "mlp.gate.")):
+            weights[name] = w.to(torch.float8_e4m3fn)  # |w| < 448: a scale of 1 in every block
+            weights[name + "_scale_inv"] = torch.ones(-(-w.shape[0] // 128), -(-w.shape[1] // 128))
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    _edit_config(path, quantization_config={"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                            "weight_block_size": [128, 128]})
+    with pytest.raises(ValueError, match="holds FP8 weights in blocks .*convert the checkpoint to bf16 first"):
+        load_model(path)
+    assert main(["eval", str(path), "--method", "rtn", "--tasks", "kl", "--lengths", "64", "--windows", "1"]) == 2
+    assert "holds FP8 weights in blocks (quantization_config, quant_method 'fp8'" in capsys.readouterr().err
+    assert len(describe(path)) == 3
+
+
 def test_a_tokenizer_past_the_models_vocabulary_is_a_clear_error(tmp_path, capsys):
     """A checkpoint whose tokenizer gives ids its embedding does not have (here the shipped byte-level
     tokenizer, 259 ids, beside a 64-token model) failed in the forward with 'index out of range in self'."""

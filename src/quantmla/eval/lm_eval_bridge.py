@@ -50,8 +50,8 @@ from quantmla.calibrate.export import SECTION, quantmla_section
 from quantmla.data import check_token_ids, default_model_dir, tokenizer_for
 from quantmla.eval.methods import MethodArgs, apply_method, check_method
 from quantmla.eval.serving import served_prefill, serving
-from quantmla.models.adapters import (ALIASES, cache_kwargs, check_checkpoint_dir, load_config, multimodal,
-                                      read_config_json, stored_names)
+from quantmla.models.adapters import (ALIASES, cache_kwargs, check_checkpoint_dir, check_not_fp8_blocks,
+                                      load_config, multimodal, read_config_json, stored_names)
 from quantmla.policy import check_window_fits
 
 OPTIONS = ("pretrained", "method", "content", "rope", "sink", "recent", "budget")
@@ -90,6 +90,7 @@ def _check_checkpoint(path: str, tokenizer) -> None:
     """What lm-eval would fail on only later, or say unclearly: a model of another family (refused after it
     loaded), or a directory without a tokenizer (a multi-line error about sentencepiece and slow tokenizers)."""
     load_config(path)  # raises naming the model_type of a non-MLA checkpoint
+    check_not_fp8_blocks(path)
     if tokenizer is None and tokenizer_for(path) is None:
         raise ValueError(f"{path} has no tokenizer (tokenizer.json / tokenizer_config.json), which lm-eval needs: "
                          "save the model's tokenizer there, or name one with model_args tokenizer=PATH")

@@ -273,14 +273,30 @@ def check_unquantized(path: str | Path) -> None:
     a command that folds transforms into the weights and writes them: on a CPU transformers dequantizes
     such a checkpoint on load, but cannot save the folded weights back in its format (it fails at the very
     end, after the whole calibration)."""
-    raw = read_config_json(path)
-    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
-    # a multimodal checkpoint's may sit in its language model's config (Kimi K2.5's INT4 experts)
-    quant = raw.get("quantization_config") or text.get("quantization_config")
-    if quant:
+    if quant := quantization_config(path):
         method = quant.get("quant_method", "?") if isinstance(quant, dict) else "?"
         raise ValueError(f"{path} holds quantized weights (quantization_config, quant_method {method!r}); "
                          "calibration folds into unquantized ones: convert the checkpoint to bf16 first")
+
+
+def quantization_config(path: str | Path):
+    """A checkpoint's quantization_config as config.json has it, None without one."""
+    raw = read_config_json(path)
+    text = raw.get("text_config") if isinstance(raw.get("text_config"), dict) else {}
+    # a multimodal checkpoint's may sit in its language model's config (Kimi K2.5's INT4 experts)
+    return raw.get("quantization_config") or text.get("quantization_config") or None
+
+
+def check_not_fp8_blocks(path: str | Path) -> None:
+    """Refuse block-scaled FP8 weights (DeepSeek-V3's, R1's and Kimi K2's as published) before transformers loads
+    them: on a CPU its dequantization fails on kv_a_proj_with_mqa (kv_lora_rank + rope rows, 576, are no multiple
+    of its 128-row blocks) with a page of traceback; where it finds a GPU its quantizer keeps FP8 modules, whose
+    raw FP8 weights quantmla's attention would read."""
+    quant = quantization_config(path)
+    if isinstance(quant, dict) and quant.get("quant_method") == "fp8" and quant.get("weight_block_size"):
+        raise ValueError(f"{path} holds FP8 weights in blocks (quantization_config, quant_method 'fp8', "
+                         f"weight_block_size {quant['weight_block_size']}), which quantmla does not read: convert "
+                         "the checkpoint to bf16 first")
 
 
 def _unsupported(model_type, path: Path | None = None) -> UnsupportedModelError:
@@ -484,6 +500,7 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
                                 else ""))
     read_weight_map(path)  # a broken index, by name
     check_safetensors(sorted(path.glob("*.safetensors")))
+    check_not_fp8_blocks(path)
     extra, quiet = {}, contextlib.nullcontext()
     if mm is not None:  # the language model's weights, under the causal LM's names; the vision ones unexpected
         stored = stored_names(path)
