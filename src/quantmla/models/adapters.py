@@ -493,11 +493,11 @@ def load_model(path: str | Path, dtype: torch.dtype = torch.float32, meta: bool 
     # another (Mistral's consolidated.safetensors) were an OSError traceback.
     if not any((path / n).is_file() for n in WEIGHT_FILES) and "transformers_weights" not in read_config_json(path):
         others = sorted(p.name for p in (*path.glob("*.safetensors"), *path.glob("*.bin")))
-        other = f"; {others[0]}{', ...' * (len(others) > 1)} is another layout" if others else ""
-        raise FileNotFoundError(f"{path} has a config.json but no weights that transformers reads ("
-                                f"{', '.join(WEIGHT_FILES)}){other}" + (" (e.g. Mistral's consolidated.safetensors), "
-                                "which quantmla does not read: use the checkpoint's Hugging Face files" if other
-                                else ""))
+        why = f"{path} has a config.json but no weights that transformers reads ({', '.join(WEIGHT_FILES)})"
+        if others:
+            why += (f"; {others[0]}{', ...' * (len(others) > 1)} is another layout (e.g. Mistral's "
+                    "consolidated.safetensors), which quantmla does not read: use the checkpoint's Hugging Face files")
+        raise FileNotFoundError(why)
     read_weight_map(path)  # a broken index, by name
     check_safetensors(sorted(path.glob("*.safetensors")))
     check_not_fp8_blocks(path)
